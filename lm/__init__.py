@@ -1,0 +1,1 @@
+"""lm: see ../shared/design.md."""

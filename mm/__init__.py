@@ -1,0 +1,1 @@
+"""mm: see ../shared/design.md."""

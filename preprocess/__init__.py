@@ -1,0 +1,1 @@
+"""preprocess: see ../shared/design.md."""

@@ -1,0 +1,1 @@
+"""vision: see ../shared/design.md."""
