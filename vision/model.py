@@ -1,0 +1,117 @@
+"""The Qwen3.5 / Qwen3.6 vision tower.
+
+Module and parameter names equal the HF names under `model.visual.`, so a checkpoint maps 1:1.
+Data flow for packed patches of n images/videos (N patches in all, 2x2-merge-block order):
+
+    patches [N, 3*2*16*16] -> patch_embed (one matmul) + resampled pos_embed -> [N, C]
+    -> depth x (x + attn(norm1(x)); x + mlp(norm2(x)))  (attention within each frame group)
+    -> merger -> [N/4, out_hidden_size]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Segments, VisionAttention
+from .config import VisionConfig
+from .merger import PatchMerger
+from .pos_embed import resampled_pos_embed
+from .rotary import inv_freq, merge_order_positions, rotary_cos_sin
+
+
+class PatchEmbed(nn.Module):
+    """Conv3d with stride == kernel over (C, T, P, P) patches, applied as one matmul."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
+        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=kernel, stride=kernel, bias=True)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        """`patches [N, C_in*T*P*P]` -> `[N, hidden]`."""
+        weight = self.proj.weight.view(self.proj.out_channels, -1)  # [hidden, C_in*T*P*P]
+        return F.linear(patches.to(weight.dtype), weight, self.proj.bias)
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=True)
+        self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm transformer block: LayerNorm (eps 1e-6), segment attention, GELU-tanh MLP."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.attn = VisionAttention(config.hidden_size, config.num_heads)
+        self.mlp = VisionMLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
+        return x + self.mlp(self.norm2(x))
+
+
+class VisionModel(nn.Module):
+    """Vision tower: `forward(pixel_values [N, patch_dim], grid_thw [n, 3]) -> [N / 4, out_hidden_size]`."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.patch_embed = PatchEmbed(config)
+        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
+        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        self.merger = PatchMerger(config.hidden_size, config.merge_unit, config.out_hidden_size, config.layer_norm_eps)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Merged embeddings of all images/videos, concatenated in order: `[N / 4, out_hidden_size]`.
+
+        `pixel_values [N, C_in*T*P*P]` are the preprocessor's patches, each frame group's h*w patches
+        in 2x2-merge-block order; `grid_thw [n, 3]` gives (t, h, w) per image/video, N = sum(t*h*w).
+        Equal to transformers' `Qwen3_5MoeVisionModel(...).pooler_output`.
+        """
+        grids = self._grids(pixel_values, grid_thw)
+        pos, cos, sin = self._grid_tables(grids)
+        x = self.patch_embed(pixel_values) + pos  # [N, C]
+        segments = Segments.from_lengths([h * w for t, h, w in grids for _ in range(t)])
+        for block in self.blocks:
+            x = block(x, cos, sin, segments)
+        return self.merger(x)
+
+    def _grids(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
+        """grid_thw as Python ints, checked against pixel_values and the merge size."""
+        if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
+            raise ValueError(f"grid_thw must be [n, 3], got {tuple(grid_thw.shape)}")
+        grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
+        merge = self.config.spatial_merge_size
+        for t, h, w in grids:
+            if t <= 0 or h <= 0 or w <= 0 or h % merge or w % merge:
+                raise ValueError(f"grid (t={t}, h={h}, w={w}) must be positive with h, w multiples of {merge}")
+        expected = (sum(t * h * w for t, h, w in grids), self.config.patch_dim)
+        if pixel_values.dim() != 2 or tuple(pixel_values.shape) != expected:
+            raise ValueError(f"pixel_values must be {list(expected)} for grid_thw {grids}, got {list(pixel_values.shape)}")
+        return grids
+
+    def _grid_tables(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Position embeddings `[N, C]` and rotary cos, sin `[N, D/2]`, each computed once per distinct (h, w)."""
+        merge = self.config.spatial_merge_size
+        table = self.pos_embed.weight
+        freqs = inv_freq(self.config.head_dim, self.config.rope_theta)  # float32 [D/4], whatever the model dtype
+        per_hw: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        for _, h, w in grids:
+            if (h, w) not in per_hw:
+                positions = merge_order_positions(h, w, merge, table.device)  # [h*w, 2]
+                cos, sin = rotary_cos_sin(positions, freqs)
+                per_hw[h, w] = (resampled_pos_embed(table, h, w, merge), cos, sin)
+        frames = [per_hw[h, w] for t, h, w in grids for _ in range(t)]
+        if len(frames) == 1:
+            return frames[0]
+        return tuple(torch.cat(parts) for parts in zip(*frames))  # type: ignore[return-value]
