@@ -1,0 +1,65 @@
+"""Gated full attention: GQA with per-head q/k RMSNorm, partial mRoPE and a sigmoid output gate."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import Cache, KVSlot
+from .config import TextConfig
+from .norm import RMSNorm
+from .rotary import apply_partial_rotary
+
+
+def attention_mask_for(cache: Cache, num_tokens: int) -> torch.Tensor | None:
+    """Boolean mask `[B, 1, T, L]` (True = may attend) for the next `num_tokens` queries, or None.
+
+    None means plain causal attention over a fresh, unpadded sequence (or one unpadded decode step).
+    Queries always see their own position, so a left-padding query never has an empty row.
+    """
+    start, end = cache.length, cache.length + num_tokens
+    keys = cache.key_mask[:, :end]  # [B, L]
+    if bool(keys.all()) and (start == 0 or num_tokens == 1):
+        return None
+    q_pos = torch.arange(start, end, device=keys.device)[:, None]  # [T, 1]
+    k_pos = torch.arange(end, device=keys.device)[None, :]  # [1, L]
+    mask = keys[:, None, :] & (k_pos <= q_pos)  # [B, T, L]
+    mask |= k_pos == q_pos
+    return mask[:, None]
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d * 2, bias=bias)  # per head: [query | gate]
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.q_norm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        slot: KVSlot,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        d = self.head_dim
+        q, gate = self.q_proj(x).view(b, t, self.num_heads, 2 * d).chunk(2, dim=-1)  # [B, T, H, D] each
+        q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, d)).transpose(1, 2)  # [B, KV, T, D]
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, d).transpose(1, 2)
+        cos, sin = rope
+        q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
+        k, v = slot.append(k, v)  # [B, KV, L, D]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and t > 1, scale=d**-0.5, enable_gqa=True
+        )  # [B, H, T, D]
+        out = out.transpose(1, 2).reshape(b, t, self.num_heads * d)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(b, t, -1)))

@@ -1,0 +1,95 @@
+"""Decoding state of the hybrid decoder: one owner (`Cache`), each layer receives its own slot.
+
+Full-attention layers keep a preallocated KV cache that grows with the sequence; Gated DeltaNet
+layers keep a fixed-size conv window and recurrent state whatever the length. All rows of a batch
+share one write position: prompts are left-padded, and `key_mask` records which positions are real.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import TextConfig
+
+
+class CacheOverflowError(ValueError):
+    """More tokens than the cache was made for."""
+
+
+class KVSlot:
+    """Key/value buffers `[B, KV, max_len, D]` of one full-attention layer."""
+
+    def __init__(self, cache: "Cache", k: torch.Tensor, v: torch.Tensor):
+        self.cache, self.k, self.v = cache, k, v
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write `k, v` [B, KV, T, D] at the cache's write position; return all keys/values so far."""
+        start = self.cache.length
+        end = start + k.shape[2]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class LinearSlot:
+    """Conv window `[B, conv_dim, kernel-1]` and float32 recurrent state `[B, Hv, Dk, Dv]` of one DeltaNet layer."""
+
+    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor):
+        self.conv, self.recurrent = conv, recurrent
+
+
+class Cache:
+    """All per-sequence decoding state. Made by `CausalLM.make_cache`, held by the engine."""
+
+    def __init__(self, config: TextConfig, batch: int, max_len: int, *, device, dtype: torch.dtype):
+        self.max_len = max_len
+        self.length = 0  # positions written so far (shared by all rows)
+        self.key_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.slots: dict[int, KVSlot | LinearSlot] = {}
+        kv_shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
+        conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
+            config.linear_num_value_heads * config.linear_value_head_dim
+        )
+        state_shape = (batch, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+        for i, kind in enumerate(config.layer_types):
+            if kind == "full_attention":
+                k = torch.zeros(kv_shape, device=device, dtype=dtype)
+                self.slots[i] = KVSlot(self, k, torch.zeros_like(k))
+            else:
+                conv = torch.zeros(batch, conv_dim, config.linear_conv_kernel_dim - 1, device=device, dtype=dtype)
+                state = torch.zeros(state_shape, device=device, dtype=torch.float32)
+                self.slots[i] = LinearSlot(conv, state)
+
+    @property
+    def batch(self) -> int:
+        return self.key_mask.shape[0]
+
+    def begin(self, attention_mask: torch.Tensor | None, num_tokens: int) -> None:
+        """Reserve `num_tokens` positions for the next forward; `attention_mask` [B, T] marks real tokens."""
+        end = self.length + num_tokens
+        if end > self.max_len:
+            raise CacheOverflowError(
+                f"{end} tokens do not fit in a cache made for max_len={self.max_len}; "
+                "shorten the prompt or ask for fewer new tokens"
+            )
+        real = True if attention_mask is None else attention_mask.bool()
+        self.key_mask[:, self.length : end] = real
+
+    def advance(self, num_tokens: int) -> None:
+        self.length += num_tokens
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only the given batch rows (e.g. drop finished sequences), in that order."""
+        self.key_mask = self.key_mask[rows]
+        for slot in self.slots.values():
+            if isinstance(slot, KVSlot):
+                slot.k, slot.v = slot.k[rows], slot.v[rows]
+            else:
+                slot.conv, slot.recurrent = slot.conv[rows], slot.recurrent[rows]
+
+    def nbytes(self) -> int:
+        total = self.key_mask.numel()
+        for slot in self.slots.values():
+            for t in (slot.k, slot.v) if isinstance(slot, KVSlot) else (slot.conv, slot.recurrent):
+                total += t.numel() * t.element_size()
+        return total

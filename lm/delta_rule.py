@@ -1,0 +1,87 @@
+"""The gated delta rule, in two equivalent forms (all maths in float32).
+
+Per value head, with state `S [Dk, Dv]`, for each token (q, k unit-norm, q scaled by Dk^-1/2):
+    S <- exp(g) * S
+    S <- S + k (beta * (v - S^T k))^T        # delta rule: write only what S does not already predict
+    o  = S^T q
+`recurrent_gated_delta_rule` runs this token by token (decode). `chunked_gated_delta_rule` computes
+the same thing chunk by chunk with the WY/UT transform (prefill): within a chunk the sequential
+updates collapse into a unit lower-triangular solve and a few matmuls; chunks are then scanned.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare(q, k, v, g, beta):
+    """[B, T, H*, D] inputs -> float32 [B, Hv, T, D] with k/q heads repeated to the value heads."""
+    rep = v.shape[2] // k.shape[2]
+    if rep > 1:  # value head h reads key head h // rep
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))
+    q, k = l2norm(q), l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    return q, k, v, g.transpose(1, 2).float(), beta.transpose(1, 2).float()
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token form. q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; state [B, Hv, Dk, Dv].
+
+    Returns (out [B, T, Hv, Dv] in v's dtype, new float32 state). `state` is not modified.
+    """
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    s = state.float().clone()
+    outs = []
+    for i in range(q.shape[2]):
+        s.mul_(g[:, :, i].exp()[..., None, None])
+        kv_mem = (k[:, :, i, None, :] @ s).squeeze(-2)  # [B, Hv, Dv]
+        delta = (v[:, :, i] - kv_mem) * beta[:, :, i, None]
+        s.add_(k[:, :, i, :, None] * delta[:, :, None, :])
+        outs.append((q[:, :, i, None, :] @ s).squeeze(-2))
+    out = torch.stack(outs, dim=2)  # [B, Hv, T, Dv]
+    return out.transpose(1, 2).to(dtype), s
+
+
+def chunked_gated_delta_rule(
+    q, k, v, g, beta, state: torch.Tensor, chunk_size: int = 64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk-parallel form; same arguments and results as `recurrent_gated_delta_rule`."""
+    dtype, t = v.dtype, v.shape[1]
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    pad = (-t) % chunk_size
+    if pad:  # padded steps have k = v = 0 and g = 0: they leave the state untouched
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    b, h, n = q.shape[0], q.shape[1], (t + pad) // chunk_size
+    q, k, v = (x.reshape(b, h, n, chunk_size, -1) for x in (q, k, v))  # [B, H, N, C, D]
+    g, beta = g.reshape(b, h, n, chunk_size), beta.reshape(b, h, n, chunk_size)
+
+    gamma = g.cumsum(-1)  # log decay from chunk start to each position, [B, H, N, C]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [.., C, C]
+    k_beta = k * beta[..., None]
+    # Unit lower-triangular system (I + strictly_lower(beta_i k_i.k_j decay_ij)) solved once per chunk.
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    system = system.tril(-1) + torch.eye(chunk_size, device=q.device)
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * gamma.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay  # [B, H, N, C, C], causal incl. diagonal
+    q_decayed = q * gamma.exp()[..., None]
+    k_to_end = k * (gamma[..., -1:] - gamma).exp()[..., None]
+    chunk_decay = gamma[..., -1].exp()[..., None, None]  # [B, H, N, 1, 1]
+
+    s = state.float().clone()
+    out = torch.empty_like(v)
+    for i in range(n):
+        v_new = u[:, :, i] - w[:, :, i] @ s  # what the state at chunk start does not already predict
+        out[:, :, i] = q_decayed[:, :, i] @ s + intra[:, :, i] @ v_new
+        s = s * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ v_new
+    out = out.reshape(b, h, n * chunk_size, -1)[:, :, :t]
+    return out.transpose(1, 2).to(dtype), s

@@ -1,0 +1,67 @@
+"""Gated DeltaNet token mixer: causal depthwise conv, then the gated delta rule with a recurrent state."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import LinearSlot
+from .config import TextConfig
+from .delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from .norm import GatedRMSNorm
+
+
+def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU. x [B, C, T]; window [B, C, K-1] (previous inputs); weight [C, K].
+
+    Returns (out [B, C, T], new window [B, C, K-1]).
+    """
+    full = torch.cat([window, x], dim=-1)  # [B, C, K-1+T]
+    kernel = weight.shape[-1]
+    if x.shape[-1] == 1:  # one decode step: a dot product per channel
+        out = (full * weight).sum(-1, keepdim=True)
+    else:
+        out = F.conv1d(full, weight[:, None, :], groups=weight.shape[0])
+    return F.silu(out), full[..., full.shape[-1] - (kernel - 1) :].clone()
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        conv_dim = 2 * self.key_dim + self.value_dim
+        h = config.hidden_size
+        self.in_proj_qkv = nn.Linear(h, conv_dim, bias=False)  # [q | k | v]
+        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
+        kernel = config.linear_conv_kernel_dim
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel, groups=conv_dim, bias=False, padding=kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+
+    def forward(self, x: torch.Tensor, slot: LinearSlot, real: torch.Tensor | None) -> torch.Tensor:
+        """x [B, T, hidden]; `real` [B, T] bool marks non-padding tokens (None: all real)."""
+        b, t, _ = x.shape
+        if real is not None:  # padding contributes nothing to the conv window or the state
+            x = x * real[..., None].to(x.dtype)
+        qkv, slot.conv = causal_conv(self.in_proj_qkv(x).transpose(1, 2), slot.conv, self.conv1d.weight[:, 0])
+        q, k, v = qkv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(b, t, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(b, t, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(b, t, self.num_v_heads, self.head_v_dim)
+        beta = self.in_proj_b(x).sigmoid()  # [B, T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        if real is not None:
+            g, beta = g * real[..., None], beta * real[..., None]
+        rule = recurrent_gated_delta_rule if t == 1 else chunked_gated_delta_rule
+        out, slot.recurrent = rule(q, k, v, g, beta, slot.recurrent)  # [B, T, Hv, Dv]
+        z = self.in_proj_z(x).reshape(b, t, self.num_v_heads, self.head_v_dim)
+        out = self.norm(out, z).reshape(b, t, self.value_dim)
+        return self.out_proj(out)

@@ -1,0 +1,95 @@
+"""The hybrid decoder (`TextModel`) and its language-model head (`CausalLM`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import attention_mask_for
+from .cache import Cache
+from .config import TextConfig
+from .decoder import DecoderLayer
+from .norm import RMSNorm
+from .rotary import MRotaryEmbedding
+
+
+class TextModel(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = MRotaryEmbedding(config)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: Cache, real: torch.Tensor | None) -> torch.Tensor:
+        """x [B, T, hidden] embeddings; positions [3, B, T]; the cache already has the T positions reserved."""
+        rope = self.rotary_emb(positions, x.dtype)
+        attn_mask = attention_mask_for(cache, x.shape[1])
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cache.slots[i], rope, attn_mask, real)
+        return self.norm(x)
+
+
+def text_positions(cache: Cache, num_tokens: int) -> torch.Tensor:
+    """Positions [3, B, T] of the next tokens when all three mRoPE rows are equal: the count of real
+    tokens before each one (left padding does not shift positions; padding itself gets 0)."""
+    start, end = cache.length, cache.length + num_tokens
+    pos = (cache.key_mask[:, :end].long().cumsum(-1) - 1)[:, start:end].clamp(min=0)
+    return pos[None].expand(3, -1, -1)
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head. Parameter names equal the HF `Qwen3_5*ForCausalLM` names."""
+
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.config = config
+        self.model = TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_buffers(self) -> None:
+        """Recompute non-persistent buffers (after building on the meta device and `to_empty`)."""
+        rotary = MRotaryEmbedding(self.config).to(self.lm_head.weight.device)
+        self.model.rotary_emb = rotary
+
+    def make_cache(self, batch: int, max_len: int) -> Cache:
+        w = self.lm_head.weight
+        return Cache(self.config, batch, max_len, device=w.device, dtype=w.dtype)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        *,
+        inputs_embeds: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits [B, T, vocab] (or [B, 1, vocab] with `last_only`) for the next T tokens.
+
+        Give `input_ids` [B, T] or `inputs_embeds` [B, T, hidden]; `attention_mask` [B, T] is 0 on
+        left padding; `positions` [3, B, T] are mRoPE positions (default: text positions). Without a
+        cache, a fresh one just large enough is used and dropped.
+        """
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        b, t, _ = x.shape
+        cache = self.make_cache(b, t) if cache is None else cache
+        cache.begin(attention_mask, t)
+        if positions is None:
+            positions = text_positions(cache, t)
+        real = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
+        hidden = self.model(x, positions, cache, real)
+        cache.advance(t)
+        if last_only:
+            hidden = hidden[:, -1:]
+        return self.lm_head(hidden)

@@ -1,0 +1,76 @@
+"""Sparse MoE block: float32 softmax router, top-k renormalised, SwiGLU experts, gated shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import TextConfig
+from .mlp import SwiGLU
+
+
+class Experts(nn.Module):
+    """All routed experts, stored fused as in the official checkpoints.
+
+    gate_up_proj [E, 2I, H] (gate rows first, then up), down_proj [E, H, I].
+    Tokens are grouped by expert, and only experts that received tokens are touched: one decode
+    token reads K experts' weights, never all E.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H]; experts, weights [N, K] -> [N, H] = sum_k weights[:, k] * expert_k(x)."""
+        n, top_k = experts.shape
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # selections grouped by expert
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+        hit = counts.nonzero().squeeze(-1).tolist()
+        sizes = counts[hit].tolist()
+        token = order // top_k
+        xs = x[token]  # [N*K, H], grouped by expert
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, size in zip(hit, sizes):
+            end = start + size
+            gate, up = F.linear(xs[start:end], self.gate_up_proj[e]).chunk(2, dim=-1)
+            ys[start:end] = F.linear(F.silu(gate) * up, self.down_proj[e])
+            start = end
+        ys *= weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, token, ys)
+
+
+class Router(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (expert ids [N, K], weights [N, K] in x's dtype)."""
+        probs = F.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)  # [N, E]
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.gate = Router(config.num_experts, h, config.num_experts_per_tok)
+        self.experts = Experts(config.num_experts, h, config.moe_intermediate_size)
+        self.shared_expert = SwiGLU(h, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [N, H]
+        experts, weights = self.gate(x)
+        out = self.experts(x, experts, weights)
+        out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.view(shape)

@@ -1,0 +1,176 @@
+"""Checkpoint files and the language model's weight names.
+
+`CheckpointReader` streams tensors from `model.safetensors` or from shards (with or without
+`model.safetensors.index.json`). `load_lm_weights` maps the two HF name families onto `CausalLM`:
+
+    model.language_model.X  (VL checkpoints)      -> model.X
+    model.X                 (CausalLM checkpoints) -> model.X
+    lm_head.weight                                  -> lm_head.weight (absent when embeddings are tied)
+    ...experts.{e}.{gate,up,down}_proj.weight       -> stacked into experts.gate_up_proj / down_proj
+    mtp.*                                           -> skipped (multi-token prediction is not used)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+INDEX_FILE = "model.safetensors.index.json"
+MTP_PREFIX = "mtp."
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class WeightError(ValueError):
+    """A checkpoint's tensors do not fit the model (missing, unexpected, mis-shaped or unreadable)."""
+
+
+class CheckpointReader:
+    """Name -> tensor access over a checkpoint directory's safetensors files, one tensor at a time."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._handles: dict[Path, object] = {}
+        self._file_of = self._index()
+
+    def _index(self) -> dict[str, Path]:
+        index = self.path / INDEX_FILE
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise WeightError(f"{index} is not a valid safetensors index: {e}") from e
+            files = {name: self.path / f for name, f in weight_map.items()}
+            for f in sorted(set(files.values())):
+                if not f.exists():
+                    raise WeightError(f"{index} names shard {f.name}, which is missing from {self.path}")
+            return files
+        shards = sorted(p for p in self.path.iterdir() if ".safetensors" in p.name and p.name != INDEX_FILE)
+        if not shards:
+            raise WeightError(f"no safetensors weights (model.safetensors or model-*.safetensors) in {self.path}")
+        files: dict[str, Path] = {}
+        for shard in shards:
+            for name in self._open(shard).keys():
+                files[name] = shard
+        return files
+
+    def _open(self, file: Path):
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise WeightError(f"cannot read {file}: truncated or not a safetensors file ({e})") from e
+        return self._handles[file]
+
+    def keys(self) -> list[str]:
+        return list(self._file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open(self._file_of[name]).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self._file_of[name]
+        try:
+            return self._open(file).get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise WeightError(f"cannot read tensor {name!r} from {file}: {e}") from e
+
+
+def lm_param_name(ckpt_name: str) -> str | None:
+    """Our `CausalLM` parameter name for a checkpoint tensor name, or None if it is not the LM's."""
+    if ckpt_name.startswith("model.language_model."):
+        return "model." + ckpt_name[len("model.language_model.") :]
+    if ckpt_name.startswith("model.visual."):
+        return None
+    if ckpt_name.startswith("model.") or ckpt_name == "lm_head.weight":
+        return ckpt_name
+    return None
+
+
+def load_lm_weights(lm: nn.Module, reader: CheckpointReader) -> set[str]:
+    """Copy every LM tensor of the checkpoint into `lm` (cast to its dtype); return the names used.
+
+    Raises `WeightError` naming the tensor for a missing, unexpected or mis-shaped tensor.
+    """
+    params = dict(lm.named_parameters(remove_duplicate=False))
+    tied = lm.config.tie_word_embeddings
+    pending = {n for n in params if not (tied and n == "lm_head.weight")}
+    per_expert: dict[str, set[int]] = defaultdict(set)  # "<prefix>.gate_proj" -> experts loaded
+    used: set[str] = set()
+    vl_family = False
+    for ckpt_name in reader.keys():
+        name = lm_param_name(ckpt_name)
+        if name is None:
+            continue
+        used.add(ckpt_name)
+        vl_family |= ckpt_name.startswith("model.language_model.")
+        if tied and name == "lm_head.weight":
+            continue  # same tensor as embed_tokens; some re-saves write it anyway
+        expert = _EXPERT.match(name)
+        if expert:
+            prefix, e, kind = expert.group(1), int(expert.group(2)), expert.group(3)
+            _copy(_expert_slice(params, prefix, e, kind, ckpt_name), reader.get(ckpt_name), ckpt_name)
+            per_expert[f"{prefix}.{kind}"].add(e)
+        elif name in params:
+            _copy(params[name], reader.get(ckpt_name), ckpt_name)
+            pending.discard(name)
+        else:
+            raise WeightError(f"unexpected tensor {ckpt_name!r}: the language model has no parameter {name!r}")
+    missing = sorted(pending - _complete_fused(params, per_expert))
+    if missing:
+        _raise_missing(missing, params, per_expert, vl_family)
+    return used
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, ckpt_name: str) -> None:
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise WeightError(f"tensor {ckpt_name!r} has shape {list(tensor.shape)}, expected {list(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor)
+
+
+def _fused_name(prefix: str, kind: str) -> str:
+    return f"{prefix}.down_proj" if kind == "down_proj" else f"{prefix}.gate_up_proj"
+
+
+def _expert_slice(params: dict, prefix: str, e: int, kind: str, ckpt_name: str) -> torch.Tensor:
+    """The part of a fused expert parameter that one per-expert tensor fills."""
+    fused = params.get(_fused_name(prefix, kind))
+    if fused is None or e >= fused.shape[0]:
+        raise WeightError(f"unexpected tensor {ckpt_name!r}: the model has no such expert")
+    inter = fused.shape[1] // 2
+    return {"gate_proj": fused[e, :inter], "up_proj": fused[e, inter:], "down_proj": fused[e]}[kind]
+
+
+def _complete_fused(params: dict, per_expert: dict[str, set[int]]) -> set[str]:
+    """Fused expert parameters fully assembled from per-expert tensors."""
+    done = set()
+    for key in per_expert:
+        prefix = key.rsplit(".", 1)[0]
+        for fused_kind, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+            name = f"{prefix}.{fused_kind}"
+            if all(len(per_expert.get(f"{prefix}.{p}", ())) == params[name].shape[0] for p in parts):
+                done.add(name)
+    return done
+
+
+def _raise_missing(missing: list[str], params: dict, per_expert: dict[str, set[int]], vl_family: bool) -> None:
+    names = []
+    for name in missing:
+        prefix, kind = name.rsplit(".", 1)
+        if kind in ("gate_up_proj", "down_proj") and any(k.startswith(prefix + ".") for k in per_expert):
+            parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+            for part in parts:
+                absent = sorted(set(range(params[name].shape[0])) - per_expert.get(f"{prefix}.{part}", set()))
+                names += [f"{prefix}.{e}.{part}.weight" for e in absent]
+        else:
+            names.append(name)
+    if vl_family:
+        names = ["model.language_model." + n[len("model.") :] if n.startswith("model.") else n for n in names]
+    shown = ", ".join(names[:8]) + (f" (and {len(names) - 8} more)" if len(names) > 8 else "")
+    raise WeightError(f"checkpoint is missing {len(names)} language-model tensor(s): {shown}")
