@@ -1,0 +1,114 @@
+"""Batched generation with the cache: chunked prefill, then one decode step per token for all live rows.
+
+Prompts of different lengths are left-padded into one batch. After the prompt, every row's next
+position is one past the largest position of its prompt (for text that is the count of real
+tokens; for mRoPE prompts it is `max position + 1`, the same as transformers' rope deltas). Rows
+that finish are dropped from the batch and from the cache, so the others do not pay for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .model import CausalLM
+from .sampling import Sampler, SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token of batch row `row`; `finish_reason` is set on the row's last token."""
+
+    row: int
+    token: int
+    finish_reason: str | None  # None, "stop" (EOS / stop token) or "length"
+
+
+@torch.no_grad()
+def stream_generate(
+    lm: CausalLM,
+    input_ids: torch.Tensor,
+    params: SamplingParams | list[SamplingParams],
+    *,
+    attention_mask: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    eos_token_ids: tuple[int, ...] = (),
+    prefill_chunk: int = 2048,
+    max_len: int | None = None,
+) -> Iterator[TokenEvent]:
+    """Generate for a left-padded batch `input_ids` [B, T]; yields tokens as they are sampled.
+
+    `inputs_embeds` [B, T, hidden] replaces the token embeddings (e.g. with vision features fused in);
+    `positions` [3, B, T] are the prompt's mRoPE positions (default: text positions).
+    """
+    b, t = input_ids.shape
+    params = list(params) if isinstance(params, (list, tuple)) else [params] * b
+    if len(params) != b:
+        raise ValueError(f"{len(params)} SamplingParams for a batch of {b}")
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    prompts = [ids[m.bool()].tolist() for ids, m in zip(input_ids, mask)]
+    cache = lm.make_cache(b, max_len or t + max(p.max_new_tokens for p in params))
+    logits, next_pos = _prefill(lm, cache, input_ids, mask, inputs_embeds, positions, prefill_chunk)
+    sampler = Sampler(params, prompts, device=logits.device)
+    rows, outputs = list(range(b)), [[] for _ in range(b)]
+    while rows:
+        tokens = sampler(logits, rows, outputs)
+        alive = []
+        for i, (row, token) in enumerate(zip(rows, tokens)):
+            outputs[row].append(token)
+            reason = _finish_reason(token, len(outputs[row]), params[row], eos_token_ids)
+            yield TokenEvent(row, token, reason)
+            if reason is None:
+                alive.append(i)
+        if not alive:
+            return
+        if len(alive) < len(rows):
+            keep = torch.tensor(alive, device=next_pos.device)
+            cache.keep(keep)
+            next_pos = next_pos[keep]
+            rows = [rows[i] for i in alive]
+            tokens = [tokens[i] for i in alive]
+        x = torch.tensor(tokens, device=next_pos.device)[:, None]  # [B', 1]
+        logits = lm(x, positions=next_pos[None, :, None].expand(3, -1, 1), cache=cache)[:, -1]
+        next_pos = next_pos + 1
+
+
+def generate(lm: CausalLM, input_ids: torch.Tensor, params, **kwargs) -> list[list[int]]:
+    """All new tokens per row (see `stream_generate` for the arguments)."""
+    outputs: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
+    for event in stream_generate(lm, input_ids, params, **kwargs):
+        outputs[event.row].append(event.token)
+    return outputs
+
+
+def _prefill(lm, cache, input_ids, mask, inputs_embeds, positions, chunk: int):
+    """Run the prompt through the model in chunks; return last-token logits [B, V] and next positions [B]."""
+    t = input_ids.shape[1]
+    for start in range(0, t, chunk):
+        end = min(start + chunk, t)
+        pos = positions[:, :, start:end] if positions is not None else None
+        embeds = inputs_embeds[:, start:end] if inputs_embeds is not None else None
+        logits = lm(
+            input_ids[:, start:end] if embeds is None else None,
+            inputs_embeds=embeds,
+            positions=pos,
+            attention_mask=mask[:, start:end],
+            cache=cache,
+            last_only=True,
+        )[:, -1]
+    if positions is None:
+        next_pos = mask.long().sum(-1)
+    else:
+        next_pos = positions.masked_fill(~mask.bool()[None], 0).amax(dim=(0, 2)) + 1
+    return logits, next_pos
+
+
+def _finish_reason(token: int, count: int, p: SamplingParams, eos: tuple[int, ...]) -> str | None:
+    if token in eos or token in p.stop_token_ids:
+        return "stop"
+    if count >= p.max_new_tokens:
+        return "length"
+    return None

@@ -1,0 +1,111 @@
+"""Sampling parameters and the per-step token sampler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token. `temperature=0` is greedy; `top_k=0`, `top_p=1`, `min_p=0` are off.
+
+    `repetition_penalty` (HF semantics) divides positive / multiplies negative logits of every token
+    already in the prompt or output; `presence_penalty` (OpenAI/vLLM semantics) subtracts a constant
+    from tokens already generated. `stop` holds stop strings (checked on detokenised text by the
+    pipeline); `stop_token_ids` end a sequence when sampled, like the model's EOS tokens.
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default=())
+    stop_token_ids: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        checks = [
+            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 = off)"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"invalid SamplingParams: {message}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    """Picks one token per active row from float32 logits, applying each row's `SamplingParams`."""
+
+    def __init__(self, params: list[SamplingParams], prompts: list[list[int]], device: torch.device | str = "cpu"):
+        self.params = params
+        self.prompts = prompts
+        self.generators = [_generator(p.seed, device) for p in params]
+
+    def __call__(self, logits: torch.Tensor, rows: list[int], outputs: list[list[int]]) -> list[int]:
+        """logits [len(rows), V]; `rows` are the original batch rows; `outputs` their tokens so far."""
+        picks = []
+        for i, row in enumerate(rows):
+            p = self.params[row]
+            scores = _penalise(logits[i].float(), p, self.prompts[row], outputs[row])
+            if p.greedy:
+                picks.append(int(scores.argmax()))
+            else:
+                probs = _filtered_probs(scores / p.temperature, p)
+                picks.append(int(torch.multinomial(probs, 1, generator=self.generators[row])))
+        return picks
+
+
+def _generator(seed: int | None, device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _penalise(scores: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    if p.repetition_penalty != 1.0 and (prompt or output):
+        seen = torch.tensor(sorted(set(prompt) | set(output)), device=scores.device)
+        s = scores[seen]
+        scores = scores.clone()
+        scores[seen] = torch.where(s > 0, s / p.repetition_penalty, s * p.repetition_penalty)
+    if p.presence_penalty and output:
+        seen = torch.tensor(sorted(set(output)), device=scores.device)
+        scores = scores.clone()
+        scores[seen] -= p.presence_penalty
+    return scores
+
+
+def _filtered_probs(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Softmax over the tokens that survive top-k, top-p (nucleus) and min-p."""
+    if p.top_k:
+        k = min(p.top_k, scores.shape[-1])
+        values, index = torch.topk(scores, k)
+    else:
+        values, index = torch.sort(scores, descending=True)
+    probs = torch.softmax(values, dim=-1)  # sorted, descending
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if p.top_p < 1.0:
+        before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
+        keep &= before < p.top_p
+    if p.min_p > 0:
+        keep &= probs >= p.min_p * probs[0]
+    probs = torch.where(keep, probs, torch.zeros_like(probs))
+    out = torch.zeros_like(scores)
+    out[index] = probs / probs.sum()
+    return out
