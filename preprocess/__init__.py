@@ -1,1 +1,10 @@
-"""preprocess: see ../shared/design.md."""
+"""preprocess: images and videos to vision-tower inputs (see ../shared/design.md)."""
+
+from .errors import ImageError, VideoError
+from .image_load import load_image
+from .image_processor import ImageProcessor
+from .inputs import VisualInputs
+from .smart_resize import smart_resize
+
+__all__ = ["ImageError", "ImageProcessor", "VideoClip", "VideoError", "VideoProcessor", "VisualInputs",
+           "load_image", "sample_video", "smart_resize"]
