@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny random reference models (transformers) and their saved checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import tiny
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_and_deterministic():
+    torch.manual_seed(0)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+
+class _Checkpoints:
+    """Builds each kind of tiny checkpoint once per session: `(hf_model, directory)`."""
+
+    def __init__(self, root):
+        self.root, self.cache = root, {}
+
+    def __call__(self, kind: str):
+        if kind not in self.cache:
+            model = tiny.hf_model(kind)
+            self.cache[kind] = (model, tiny.save(model, self.root / kind))
+        return self.cache[kind]
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> _Checkpoints:
+    return _Checkpoints(tmp_path_factory.mktemp("checkpoints"))
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |ours - ref| / max |ref|."""
+    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())

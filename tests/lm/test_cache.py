@@ -1,0 +1,58 @@
+"""Cache consistency: prefill + decode and chunked prefill equal one full forward pass."""
+
+import pytest
+import torch
+
+import mm
+from lm import CacheOverflowError
+from tests.conftest import rel_err
+
+TOL = 1e-4
+
+
+@pytest.mark.parametrize("kind", ["moe_vl", "dense_text"])
+def test_prefill_then_16_decode_steps_equals_full_forward(checkpoints, kind):
+    _, path = checkpoints(kind)
+    lm = mm.load_model(path).lm
+    ids = torch.randint(3, 500, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = lm(ids)
+        cache = lm.make_cache(2, 64)
+        steps = [lm(ids[:, :24], cache=cache)]
+        steps += [lm(ids[:, i : i + 1], cache=cache) for i in range(24, 40)]
+    assert cache.length == 40
+    assert rel_err(torch.cat(steps, dim=1), full) <= TOL
+
+
+@pytest.mark.parametrize("kind", ["moe_text", "dense_vl"])
+def test_prefill_in_chunks_of_7_equals_one_shot(checkpoints, kind):
+    _, path = checkpoints(kind)
+    lm = mm.load_model(path).lm
+    ids = torch.randint(3, 500, (2, 47), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[0, :9] = 0  # left padding spans the first chunk and a half
+    with torch.no_grad():
+        full = lm(ids, attention_mask=mask)
+        cache = lm.make_cache(2, 47)
+        chunks = [lm(ids[:, s : s + 7], attention_mask=mask[:, s : s + 7], cache=cache) for s in range(0, 47, 7)]
+    real = mask.bool()
+    assert rel_err(torch.cat(chunks, dim=1)[real], full[real]) <= TOL
+
+
+def test_cache_state_size_is_fixed_for_linear_layers(checkpoints):
+    _, path = checkpoints("moe_text")
+    lm = mm.load_model(path).lm
+    small, big = lm.make_cache(1, 16), lm.make_cache(1, 1024)
+    linear = lm.config.linear_attention_layers
+    for i in linear:
+        assert small.slots[i].recurrent.shape == big.slots[i].recurrent.shape
+        assert small.slots[i].conv.shape == big.slots[i].conv.shape
+    assert big.slots[lm.config.full_attention_layers[0]].k.shape[2] == 1024
+
+
+def test_prompt_longer_than_max_len_is_refused(checkpoints):
+    _, path = checkpoints("dense_text")
+    lm = mm.load_model(path).lm
+    cache = lm.make_cache(1, 8)
+    with pytest.raises(CacheOverflowError, match="max_len=8"):
+        lm(torch.ones(1, 9, dtype=torch.long), cache=cache)

@@ -1,0 +1,53 @@
+"""The sampler's filters and penalties, on hand-made logits."""
+
+import pytest
+import torch
+
+from lm import Sampler, SamplingParams
+from lm.sampling import _filtered_probs, _penalise
+
+
+def test_greedy_picks_argmax_per_row():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 1.0]])
+    sampler = Sampler([SamplingParams(), SamplingParams()], [[], []])
+    assert sampler(logits, [0, 1], [[], []]) == [1, 0]
+
+
+def test_top_k_top_p_min_p_filters():
+    scores = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))
+    probs = _filtered_probs(scores, SamplingParams(temperature=1, top_k=2))
+    assert torch.allclose(probs, torch.tensor([2 / 3, 1 / 3, 0, 0, 0]))
+    probs = _filtered_probs(scores, SamplingParams(temperature=1, top_p=0.7))  # 0.5 + 0.25 reaches 0.7
+    assert torch.allclose(probs, torch.tensor([2 / 3, 1 / 3, 0, 0, 0]))
+    probs = _filtered_probs(scores, SamplingParams(temperature=1, min_p=0.2))  # keep p >= 0.1
+    assert (probs > 0).tolist() == [True, True, True, False, False]
+    assert torch.isclose(probs.sum(), torch.tensor(1.0))
+
+
+def test_repetition_and_presence_penalties():
+    scores = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    rep = _penalise(scores, SamplingParams(repetition_penalty=2.0), prompt=[0], output=[1])
+    assert rep.tolist() == [1.0, -4.0, 1.0, 0.5]
+    pres = _penalise(scores, SamplingParams(presence_penalty=1.5), prompt=[0], output=[2, 2])
+    assert pres.tolist() == [2.0, -2.0, -0.5, 0.5]  # only generated tokens, once each
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]]))
+    sampler = Sampler([SamplingParams(temperature=1.0, seed=0)], [[]])
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        counts[sampler(logits, [0], [[]])[0]] += 1
+    assert torch.allclose(counts / 3000, torch.tensor([0.6, 0.3, 0.1]), atol=0.03)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(min_p=2)]
+)
+def test_invalid_params_are_refused(kwargs):
+    with pytest.raises(ValueError, match="invalid SamplingParams"):
+        SamplingParams(**kwargs)
+
+
+def test_stop_accepts_a_single_string():
+    assert SamplingParams(stop="###").stop == ("###",)

@@ -1,0 +1,143 @@
+"""Checkpoint layouts (save_pretrained, fused and per-expert experts, shards, tied) and weight errors."""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import mm
+from lm import WeightError
+from tests import tiny
+from tests.conftest import rel_err
+
+TOL = 1e-4
+IDS = torch.randint(3, 500, (1, 33), generator=torch.Generator().manual_seed(9))
+
+
+def _logits_match(hf, path):
+    with torch.no_grad():
+        ref = hf(input_ids=IDS).logits
+    assert rel_err(mm.load_model(path)(IDS), ref) <= TOL
+
+
+def _copy_ckpt(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite(path, edit):
+    tensors = load_file(path / "model.safetensors")
+    save_file(edit(tensors), path / "model.safetensors", metadata={"format": "pt"})
+
+
+def _fuse_experts(tensors):
+    """Rewrite per-expert tensors into the official fused layout [E, 2I, H] / [E, H, I]."""
+    out, groups = {}, {}
+    for name, t in tensors.items():
+        m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight$", name)
+        if m:
+            groups.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
+        else:
+            out[name] = t
+    for prefix, parts in groups.items():
+        n = 1 + max(e for e, _ in parts)
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]]) for e in range(n)])
+        out[f"{prefix}.down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(n)])
+    return out
+
+
+def test_save_pretrained_writes_per_expert_layout_and_it_loads(checkpoints):
+    hf, path = checkpoints("moe_vl")
+    names = load_file(path / "model.safetensors").keys()
+    assert "model.language_model.layers.0.mlp.experts.0.gate_proj.weight" in names
+    _logits_match(hf, path)
+
+
+@pytest.mark.parametrize("kind", ["moe_vl", "moe_text"])
+def test_fused_expert_layout_loads(checkpoints, tmp_path, kind):
+    hf, path = checkpoints(kind)
+    fused = _copy_ckpt(path, tmp_path / "fused")
+    _rewrite(fused, _fuse_experts)
+    assert any(k.endswith("experts.gate_up_proj") for k in load_file(fused / "model.safetensors"))
+    _logits_match(hf, fused)
+
+
+def test_sharded_checkpoint_with_index(checkpoints, tmp_path):
+    hf, _ = checkpoints("moe_vl")
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
+    _logits_match(hf, tmp_path)
+
+
+def test_real_single_shard_name_without_index(checkpoints, tmp_path):
+    hf, path = checkpoints("dense_vl")
+    ckpt = _copy_ckpt(path, tmp_path / "c")
+    (ckpt / "model.safetensors").rename(ckpt / "model.safetensors-00001-of-00001.safetensors")
+    _logits_match(hf, ckpt)
+
+
+def test_tied_embeddings_and_bf16_storage(tmp_path):
+    hf = tiny.hf_model("dense_vl", tie_word_embeddings=True)
+    hf.config.tie_word_embeddings = True
+    hf.save_pretrained(tmp_path)
+    assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    _logits_match(hf, tmp_path)
+    _rewrite(tmp_path, lambda ts: {k: v.to(torch.bfloat16) for k, v in ts.items()})
+    model = mm.load_model(tmp_path)
+    assert model.lm.lm_head.weight.dtype == torch.float32
+    assert model.lm.lm_head.weight.data_ptr() == model.lm.model.embed_tokens.weight.data_ptr()
+
+
+def test_mtp_tensors_are_skipped(checkpoints, tmp_path):
+    hf, path = checkpoints("moe_vl")
+    ckpt = _copy_ckpt(path, tmp_path / "mtp")
+    _rewrite(ckpt, lambda ts: {**ts, "mtp.fc.weight": torch.zeros(64, 128), "mtp.norm.weight": torch.zeros(64)})
+    _logits_match(hf, ckpt)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.language_model.layers.1.linear_attn.A_log",
+        "model.language_model.layers.3.self_attn.q_norm.weight",
+        "model.language_model.layers.2.mlp.experts.5.up_proj.weight",
+        "lm_head.weight",
+        "model.visual.blocks.1.attn.qkv.bias",
+    ],
+)
+def test_missing_tensor_is_named(checkpoints, tmp_path, name):
+    _, path = checkpoints("moe_vl")
+    ckpt = _copy_ckpt(path, tmp_path / "m")
+    _rewrite(ckpt, lambda ts: {k: v for k, v in ts.items() if k != name})
+    with pytest.raises(WeightError, match=re.escape(name)):
+        mm.load_model(ckpt)
+
+
+def test_unexpected_and_misshaped_tensors_are_named(checkpoints, tmp_path):
+    _, path = checkpoints("moe_text")
+    extra = _copy_ckpt(path, tmp_path / "extra")
+    _rewrite(extra, lambda ts: {**ts, "model.layers.0.linear_attn.bogus": torch.zeros(3)})
+    with pytest.raises(WeightError, match="model.layers.0.linear_attn.bogus"):
+        mm.load_model(extra)
+    stray = _copy_ckpt(path, tmp_path / "stray")
+    _rewrite(stray, lambda ts: {**ts, "something.else": torch.zeros(3)})
+    with pytest.raises(WeightError, match="something.else"):
+        mm.load_model(stray)
+    shaped = _copy_ckpt(path, tmp_path / "shape")
+    _rewrite(shaped, lambda ts: {**ts, "model.norm.weight": torch.zeros(65)})
+    with pytest.raises(WeightError, match=r"model.norm.weight.*\[65\].*\[64\]"):
+        mm.load_model(shaped)
+
+
+def test_wrong_checkpoint_for_config_is_refused(checkpoints, tmp_path):
+    """Weights of one model under another model's config.json."""
+    _, dense = checkpoints("dense_text")
+    _, moe = checkpoints("moe_text")
+    ckpt = _copy_ckpt(dense, tmp_path / "mixed")
+    shutil.copy(moe / "config.json", ckpt / "config.json")
+    with pytest.raises(WeightError, match="mlp"):
+        mm.load_model(ckpt)
