@@ -5,6 +5,7 @@ from .image_load import load_image
 from .image_processor import ImageProcessor
 from .inputs import VisualInputs
 from .smart_resize import smart_resize
+from .video import VideoClip, sample_video
 
-__all__ = ["ImageError", "ImageProcessor", "VideoClip", "VideoError", "VideoProcessor", "VisualInputs",
+__all__ = ["ImageError", "ImageProcessor", "VideoClip", "VideoError", "VisualInputs",
            "load_image", "sample_video", "smart_resize"]
