@@ -6,6 +6,7 @@ from .image_processor import ImageProcessor
 from .inputs import VisualInputs
 from .smart_resize import smart_resize
 from .video import VideoClip, sample_video
+from .video_processor import VideoProcessor
 
-__all__ = ["ImageError", "ImageProcessor", "VideoClip", "VideoError", "VisualInputs",
+__all__ = ["ImageError", "ImageProcessor", "VideoClip", "VideoError", "VideoProcessor", "VisualInputs",
            "load_image", "sample_video", "smart_resize"]
