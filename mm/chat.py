@@ -42,7 +42,8 @@ def load_chat_template(path: str | Path) -> str:
     if (path / CHAT_TEMPLATE_FILE).is_file():
         return (path / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
     config_file = path / "tokenizer_config.json"
-    template = json.loads(config_file.read_text(encoding="utf-8")).get("chat_template") if config_file.is_file() else None
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    template = config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
         template = {item["name"]: item["template"] for item in template}.get("default")
     if not isinstance(template, str):
@@ -54,7 +55,8 @@ def load_chat_template(path: str | Path) -> str:
 def collect_media(conversation: Conversation, index: int) -> tuple[Conversation, list[MediaItem]]:
     """Split a conversation into template-ready messages (media parts reduced to their type) and its media."""
     if not isinstance(conversation, list) or not conversation:
-        raise ValueError(f"conversation {index} must be a non-empty list of messages, got {type(conversation).__name__}")
+        raise ValueError(f"conversation {index} must be a non-empty list of messages, "
+                         f"got {type(conversation).__name__}")  # fmt: skip
     messages: Conversation = []
     media: list[MediaItem] = []
     for m, message in enumerate(conversation):

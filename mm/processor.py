@@ -5,6 +5,10 @@ the same pixels: every `<|image_pad|>` becomes `t*h*w/4` pads; every `<|video_pa
 2-frame group, `<{t:.1f} seconds><|vision_start|>` + `h*w/4` pads + `<|vision_end|>`, where `t` is the
 mean timestamp of the group's first and last frame. Like transformers 5.x, only the pad token is
 replaced, so the template's own `<|vision_start|>` / `<|vision_end|>` stay around a video's groups.
+
+Images are loaded with `preprocess.load_image`. Videos given as a path, bytes or frames in memory go
+through `preprocess.sample_video` with the part's options (for frames in memory, "fps" is their frame
+rate); a `preprocess.VideoClip` is used as given.
 """
 
 from __future__ import annotations
@@ -99,7 +103,7 @@ class Processor:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "Processor":
-        """Tokenizer (transformers AutoTokenizer), chat template and image / video processors of a checkpoint."""
+        """Tokenizer (transformers AutoTokenizer), chat template and image / video processors of a checkpoint dir."""
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"checkpoint directory not found: {path}")
@@ -117,8 +121,8 @@ class Processor:
         prompts, media = [], []
         for i, conversation in enumerate(batch):
             messages, items = collect_media(conversation, i)
-            prompts.append(render(self.tokenizer, self.chat_template, messages, i,
-                                  add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking))  # fmt: skip
+            prompts.append(render(self.tokenizer, self.chat_template, messages, i, enable_thinking=enable_thinking,
+                                  add_generation_prompt=add_generation_prompt))  # fmt: skip
             media.append(items)
         images = self._images([item for items in media for item in items if item.kind == "image"])
         videos, infos = self._videos([item for items in media for item in items if item.kind == "video"])
@@ -133,9 +137,10 @@ class Processor:
         input_ids, attention_mask = self._tokenize(texts, max_length)
         return ModelInputs(
             input_ids=input_ids, attention_mask=attention_mask,
-            pixel_values=images.pixel_values if images else None, image_grid_thw=images.grid_thw if images else None,
-            pixel_values_videos=videos.pixel_values if videos else None,
-            video_grid_thw=videos.grid_thw if videos else None, videos=infos, prompts=prompts,
+            pixel_values=None if images is None else images.pixel_values,
+            image_grid_thw=None if images is None else images.grid_thw,
+            pixel_values_videos=None if videos is None else videos.pixel_values,
+            video_grid_thw=None if videos is None else videos.grid_thw, videos=infos, prompts=prompts,
         )  # fmt: skip
 
     def decode(self, token_ids: Sequence[int] | torch.Tensor, skip_special_tokens: bool = True) -> str:
@@ -214,7 +219,7 @@ def _as_batch(conversations: Any) -> list[Conversation]:
 
 def _token_id(tokenizer: Any, token: str | None, what: str) -> int:
     idx = tokenizer.convert_tokens_to_ids(token) if token is not None else None
-    if idx is None or idx == tokenizer.unk_token_id and token != tokenizer.unk_token:
+    if idx is None or (idx == tokenizer.unk_token_id and token != tokenizer.unk_token):
         raise ValueError(f"the tokenizer has no {what} ({token!r})")
     return int(idx)
 
@@ -238,8 +243,10 @@ def _sample(item: MediaItem) -> preprocess.VideoClip:
         return item.source
     try:
         return preprocess.sample_video(item.source, **item.options)
-    except (preprocess.VideoError, ValueError) as error:
-        raise type(error)(f"{item.where}: {error}") from error
+    except preprocess.VideoError as error:
+        raise preprocess.VideoError(f"{item.where}: {error}") from error
+    except ValueError as error:  # invalid options or frames
+        raise ValueError(f"{item.where}: {error}") from error
 
 
 def _video_info(clip: preprocess.VideoClip, where: str) -> VideoInfo:

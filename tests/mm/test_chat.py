@@ -44,6 +44,16 @@ def test_checkpoint_template_is_the_stored_official_one(checkpoint):
     assert load_chat_template(checkpoint) == DEFAULT_CHAT_TEMPLATE_PATH.read_text()
 
 
+def test_template_from_tokenizer_config(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ messages[0].content }}"}')
+    assert load_chat_template(tmp_path) == "{{ messages[0].content }}"
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": [{"name": "default", "template": "T"}]}')
+    assert load_chat_template(tmp_path) == "T"
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="no chat template in"):
+        load_chat_template(tmp_path)
+
+
 def test_text_and_thinking_switch(show):
     body = "<|im_start|>user\nHello<|im_end|>\n"
     assert show([user("Hello")]) == body + GEN_THINK  # thinking is the default
