@@ -17,6 +17,8 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from mm.chat import DEFAULT_CHAT_TEMPLATE_PATH
+
 # The checkpoint's LM vocabulary (embedding rows); every tokenizer id is below it.
 MODEL_VOCAB_SIZE = 248320
 # Same pattern as transformers' Qwen3_5Tokenizer (models/qwen3_5/tokenization_qwen3_5.py).
@@ -278,7 +280,7 @@ def tokenizer_config() -> dict:
 
 def chat_template_text() -> str:
     """The official Qwen3.5 chat template (stored in mm/chat_template.jinja)."""
-    return (Path(__file__).resolve().parent.parent / "mm" / "chat_template.jinja").read_text(encoding="utf-8")
+    return DEFAULT_CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
 
 
 def write_tokenizer(dir: Path) -> None:
