@@ -6,6 +6,10 @@ Data flow for packed patches of n images/videos (N patches in all, 2x2-merge-blo
     patches [N, 3*2*16*16] -> patch_embed (one matmul) + resampled pos_embed -> [N, C]
     -> depth x (x + attn(norm1(x)); x + mlp(norm2(x)))  (attention within each frame group)
     -> merger -> [N/4, out_hidden_size]
+
+The tower is inference-only (forward runs without autograd). `VisionModel(config, fast=True)` runs
+the blocks through `fast.fast_block` (in-place residuals, reused scratch buffers); `fast=False` runs
+the plain module code below, the reference the fast path is tested against.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from torch import nn
 
 from .attention import Segments, VisionAttention
 from .config import VisionConfig
+from .fast import Workspace, fast_block
 from .merger import PatchMerger
 from .pos_embed import resampled_pos_embed
 from .rotary import inv_freq, merge_order_positions, rotary_cos_sin
@@ -63,14 +68,16 @@ class VisionBlock(nn.Module):
 class VisionModel(nn.Module):
     """Vision tower: `forward(pixel_values [N, patch_dim], grid_thw [n, 3]) -> [N / 4, out_hidden_size]`."""
 
-    def __init__(self, config: VisionConfig) -> None:
+    def __init__(self, config: VisionConfig, *, fast: bool = True) -> None:
         super().__init__()
         self.config = config
+        self.fast = fast
         self.patch_embed = PatchEmbed(config)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config.hidden_size, config.merge_unit, config.out_hidden_size, config.layer_norm_eps)
 
+    @torch.no_grad()
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Merged embeddings of all images/videos, concatenated in order: `[N / 4, out_hidden_size]`.
 
@@ -82,8 +89,13 @@ class VisionModel(nn.Module):
         pos, cos, sin = self._grid_tables(grids)
         x = self.patch_embed(pixel_values) + pos  # [N, C]
         segments = Segments.from_lengths([h * w for t, h, w in grids for _ in range(t)])
-        for block in self.blocks:
-            x = block(x, cos, sin, segments)
+        if self.fast:
+            ws = Workspace(x.device, x.dtype)
+            for block in self.blocks:
+                x = fast_block(block, x, cos, sin, segments, ws)
+        else:
+            for block in self.blocks:
+                x = block(x, cos, sin, segments)
         return self.merger(x)
 
     def _grids(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:

@@ -33,9 +33,9 @@ def perturbed_reference(hf_config, seed: int = 0) -> torch.nn.Module:
     return ref
 
 
-def ours_from(ref: torch.nn.Module) -> VisionModel:
-    """Our tower with the reference's weights, loaded by name (state_dict, strict)."""
-    model = VisionModel(VisionConfig.from_hf(ref.config.to_dict())).float().eval()
+def ours_from(ref: torch.nn.Module, fast: bool = True) -> VisionModel:
+    """Our tower (fast or reference path) with the reference's weights, loaded by name (state_dict, strict)."""
+    model = VisionModel(VisionConfig.from_hf(ref.config.to_dict()), fast=fast).float().eval()
     model.load_state_dict(ref.state_dict(), strict=True)
     return model
 

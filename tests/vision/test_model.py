@@ -19,16 +19,17 @@ GRIDS = {
 
 
 @lru_cache(maxsize=None)
-def towers(moe: bool, num_position_embeddings: int):
+def towers(moe: bool, num_position_embeddings: int, fast: bool = True):
     ref = perturbed_reference(hf_vision_config(moe=moe, num_position_embeddings=num_position_embeddings))
-    return ours_from(ref), ref
+    return ours_from(ref, fast), ref
 
 
 @pytest.mark.parametrize("grid", GRIDS.values(), ids=GRIDS.keys())
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "plain"])
 @pytest.mark.parametrize("num_position_embeddings", [2304, 256])
 @pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense"])
-def test_matches_reference(moe, num_position_embeddings, grid):
-    ours, ref = towers(moe, num_position_embeddings)
+def test_matches_reference(moe, num_position_embeddings, fast, grid):
+    ours, ref = towers(moe, num_position_embeddings, fast)
     x, grid_thw = patches(grid)
     with torch.inference_mode():
         got = ours(x, grid_thw)
@@ -37,8 +38,9 @@ def test_matches_reference(moe, num_position_embeddings, grid):
     assert rel_err(got, want) < 1e-5
 
 
-def test_bfloat16_close_to_reference():
-    ours, ref = towers(True, 2304)
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "plain"])
+def test_bfloat16_close_to_reference(fast):
+    ours, ref = towers(True, 2304, fast)
     ours, ref = ours.to(torch.bfloat16), ref.to(torch.bfloat16)
     try:
         x, grid_thw = patches(GRIDS["mix"])
@@ -68,6 +70,13 @@ def test_attention_never_crosses_segments(grid, changed):
     lo, hi = start // 4, (start + seg_lengths[changed]) // 4
     assert torch.equal(a[:lo], b[:lo]) and torch.equal(a[hi:], b[hi:])
     assert not torch.equal(a[lo:hi], b[lo:hi])
+
+
+def test_fast_path_matches_plain_path():
+    fast, _ = towers(True, 256, True)
+    plain, _ = towers(True, 256, False)
+    x, grid_thw = patches(GRIDS["mix"])
+    assert rel_err(fast(x, grid_thw), plain(x, grid_thw)) < 1e-6
 
 
 @pytest.mark.parametrize("h, w", [(8, 12), (48, 48), (64, 30), (2, 2), (96, 2)])

@@ -1,0 +1,70 @@
+"""Allocation-free fast path of the vision block (inference only).
+
+Same maths as `VisionBlock.forward` (the reference path), reordered to avoid large temporaries:
+on CPU every fresh buffer above glibc's mmap threshold (32 MiB: the qkv, rotary and MLP
+activations of a large image) is page-faulted in on every layer, which costs several percent of
+the tower's time. Here
+
+- the qkv, rotated q/k and fc1 activations live in a per-forward `Workspace`, reused by all blocks;
+- GELU runs in place; the residual adds are fused into the output projections (`x.addmm_`),
+  so `x` is updated in place (the caller owns it).
+
+The only numerical difference from the reference path is the order of the bias and residual
+adds (x + W a + b instead of x + (W a + b)), a float32 rounding-level change.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .attention import Segments, segment_attention
+from .rotary import apply_rotary
+
+
+class Workspace:
+    """Named scratch buffers for one forward pass, reused across blocks."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A buffer of `shape`; its contents are whatever the last user left there."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape != shape:
+            buf = torch.empty(shape, device=self.device, dtype=self.dtype)
+            self._buffers[name] = buf
+        return buf
+
+
+def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """float32 rotary of `x [N, ..., D]` written into `out` (same shape); see `rotary.apply_rotary`."""
+    half = x.shape[-1] // 2
+    bshape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos, sin = cos.view(bshape), sin.view(bshape)  # [N, 1.., D/2]
+    x1, x2, o1, o2 = x[..., :half], x[..., half:], out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
+    torch.mul(x2, cos, out=o2).addcmul_(x1, sin)  # x2 cos + x1 sin
+    return out
+
+
+def fast_block(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               segments: Segments, ws: Workspace) -> torch.Tensor:
+    """`VisionBlock` forward updating `x [N, C]` in place; scratch from `ws`. Returns x."""
+    attn, mlp = block.attn, block.mlp
+    n, c = x.shape
+    heads, head_dim = attn.num_heads, attn.head_dim
+    h = F.layer_norm(x, (c,), block.norm1.weight, block.norm1.bias, block.norm1.eps)
+    qkv = torch.addmm(attn.qkv.bias, h, attn.qkv.weight.t(), out=ws.get("qkv", (n, 3 * c)))
+    qkv = qkv.view(n, 3, heads, head_dim)  # [N, 3, H, D]
+    if qkv.dtype == torch.float32:
+        qk = rotate_into(qkv[:, :2], cos, sin, ws.get("qk", (n, 2, heads, head_dim)))  # [N, 2, H, D]
+    else:  # the reference rotates in float32 and rounds back
+        qk = apply_rotary(qkv[:, :2], cos, sin)
+    o = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], segments)  # [N, C]
+    x.addmm_(o, attn.proj.weight.t()).add_(attn.proj.bias)
+    h = F.layer_norm(x, (c,), block.norm2.weight, block.norm2.bias, block.norm2.eps)
+    f = torch.addmm(mlp.linear_fc1.bias, h, mlp.linear_fc1.weight.t(), out=ws.get("fc1", (n, mlp.linear_fc1.out_features)))
+    torch.ops.aten.gelu_(f, approximate="tanh")
+    return x.addmm_(f, mlp.linear_fc2.weight.t()).add_(mlp.linear_fc2.bias)
