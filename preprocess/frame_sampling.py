@@ -40,10 +40,12 @@ def select_frames(
 
     Targets: that many times evenly spaced from the window's first frame to its last frame
     (inclusive), the way `np.linspace(0, total - 1, n).round()` spaces frame indices in
-    transformers' Qwen3VLVideoProcessor. Each target takes the frame whose timestamp is NEAREST
-    (ties, possible only for an odd count, go to the earlier frame). For constant-frame-rate video
-    and an even count this equals the transformers indices exactly; for variable frame rate it
-    samples by time, not by index, and two targets may pick the same frame.
+    transformers' Qwen3VLVideoProcessor. Each target takes the frame whose timestamp is NEAREST;
+    an exact tie (possible only for an odd count) goes to the even frame index, like numpy's
+    round-half-to-even. For constant-frame-rate video this equals the transformers indices
+    (always for an even count; for an odd one, unless numpy's float linspace lands a hair off a
+    tie). For variable frame rate it samples by time, not by index, and two targets may pick the
+    same frame.
 
     Padding: if the count is not a multiple of `temporal_patch` (a video with too few frames,
     or an odd `num_frames`) the last index is repeated until it is.
@@ -86,14 +88,17 @@ def _targets(first: int, last: int, count: int) -> list[Fraction]:
 
 
 def _nearest(rel: list[int], target: Fraction, first: int, last: int) -> int:
-    """Index in [first, last] of the frame nearest to `target` (ties go to the earlier frame)."""
+    """Index in [first, last] of the frame nearest to `target` (ties go to the even index)."""
     after = bisect.bisect_left(rel, target, first, last + 1)  # first frame at or after target
     if after > last:
         return last
     if after == first or rel[after] == target:
         return after
     before = after - 1
-    return after if rel[after] - target < target - rel[before] else before
+    gap_after, gap_before = rel[after] - target, target - rel[before]
+    if gap_after == gap_before:  # a tie: the even index, as numpy's round-half-to-even does
+        return before if before % 2 == 0 else after
+    return after if gap_after < gap_before else before
 
 
 def _check_arguments(fps: float, num_frames: int | None, min_frames: int, max_frames: int,

@@ -39,9 +39,10 @@ def read_index(frame: np.ndarray) -> int:
 
 
 def encode(path: Path, count: int, *, fps: int = 10, gop: int = 10, pts_ms: list[int] | None = None,
-           rotation: int | None = None, container_format: str | None = None) -> Path:
+           rotation: int | None = None, container_format: str | None = None, movflags: str | None = None) -> Path:
     """Write `count` painted frames; `pts_ms` gives explicit millisecond timestamps (variable rate)."""
-    with av.open(str(path), "w", format=container_format) as out:
+    options = {"movflags": movflags} if movflags else {}
+    with av.open(str(path), "w", format=container_format, options=options) as out:
         stream = out.add_stream(codec(), rate=fps)
         stream.width, stream.height, stream.pix_fmt = WIDTH, HEIGHT, "yuv420p"
         stream.codec_context.gop_size = gop
@@ -56,4 +57,25 @@ def encode(path: Path, count: int, *, fps: int = 10, gop: int = 10, pts_ms: list
                 frame.pts, frame.time_base = pts_ms[i], Fraction(1, 1000)
             out.mux(stream.encode(frame))
         out.mux(stream.encode())
+    return path
+
+
+def encode_audio_only(path: Path) -> Path:
+    """A short AAC file with no video stream."""
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("aac", rate=16000)
+        for i in range(8):
+            frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+            frame.sample_rate, frame.pts = 16000, i * 1024
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode())
+    return path
+
+
+def encode_no_frames(path: Path) -> Path:
+    """An AVI file whose header declares a video stream but which holds no frame."""
+    with av.open(str(path), "w", format="avi") as out:
+        stream = out.add_stream("mpeg4", rate=10)
+        stream.width, stream.height, stream.pix_fmt = WIDTH, HEIGHT, "yuv420p"
+        out.start_encoding()
     return path
