@@ -8,7 +8,7 @@ that finish are dropped from the batch and from the cache, so the others do not 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -38,11 +38,13 @@ def stream_generate(
     eos_token_ids: tuple[int, ...] = (),
     prefill_chunk: int = 2048,
     max_len: int | None = None,
+    stop_when: Callable[[int, list[int]], bool] | None = None,
 ) -> Iterator[TokenEvent]:
     """Generate for a left-padded batch `input_ids` [B, T]; yields tokens as they are sampled.
 
     `inputs_embeds` [B, T, hidden] replaces the token embeddings (e.g. with vision features fused in);
     `positions` [3, B, T] are the prompt's mRoPE positions (default: text positions).
+    `stop_when(row, tokens)` may end a row early (e.g. on a stop string); it finishes with "stop".
     """
     b, t = input_ids.shape
     params = list(params) if isinstance(params, (list, tuple)) else [params] * b
@@ -60,6 +62,8 @@ def stream_generate(
         for i, (row, token) in enumerate(zip(rows, tokens)):
             outputs[row].append(token)
             reason = _finish_reason(token, len(outputs[row]), params[row], eos_token_ids)
+            if reason is None and stop_when is not None and stop_when(row, outputs[row]):
+                reason = "stop"
             yield TokenEvent(row, token, reason)
             if reason is None:
                 alive.append(i)

@@ -40,8 +40,9 @@ class Experts(nn.Module):
             gate, up = F.linear(xs[start:end], self.gate_up_proj[e]).chunk(2, dim=-1)
             ys[start:end] = F.linear(F.silu(gate) * up, self.down_proj[e])
             start = end
-        ys *= weights.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add_(0, token, ys)
+        per_choice = torch.empty_like(ys)
+        per_choice[order] = ys  # back to [token, k] order; no scatter-add (slow with repeated indices)
+        return torch.einsum("nkh,nk->nh", per_choice.view(n, top_k, -1), weights)
 
 
 class Router(nn.Module):

@@ -67,8 +67,9 @@ class Sampler:
             if p.greedy:
                 picks.append(int(scores.argmax()))
             else:
-                probs = _filtered_probs(scores / p.temperature, p)
-                picks.append(int(torch.multinomial(probs, 1, generator=self.generators[row])))
+                candidates, probs = _candidates(scores / p.temperature, p)
+                choice = torch.multinomial(probs, 1, generator=self.generators[row])
+                picks.append(int(candidates[choice]))
         return picks
 
 
@@ -91,11 +92,11 @@ def _penalise(scores: torch.Tensor, p: SamplingParams, prompt: list[int], output
     return scores
 
 
-def _filtered_probs(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Softmax over the tokens that survive top-k, top-p (nucleus) and min-p."""
+def _candidates(scores: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids that survive top-k, top-p (nucleus) and min-p, most likely first, and their
+    renormalised probabilities (sampling then touches only the candidates, not the whole vocabulary)."""
     if p.top_k:
-        k = min(p.top_k, scores.shape[-1])
-        values, index = torch.topk(scores, k)
+        values, index = torch.topk(scores, min(p.top_k, scores.shape[-1]))
     else:
         values, index = torch.sort(scores, descending=True)
     probs = torch.softmax(values, dim=-1)  # sorted, descending
@@ -105,7 +106,5 @@ def _filtered_probs(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         keep &= before < p.top_p
     if p.min_p > 0:
         keep &= probs >= p.min_p * probs[0]
-    probs = torch.where(keep, probs, torch.zeros_like(probs))
-    out = torch.zeros_like(scores)
-    out[index] = probs / probs.sum()
-    return out
+    n = int(keep.sum())  # keep is a prefix of the sorted candidates
+    return index[:n], probs[:n] / probs[:n].sum()

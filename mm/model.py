@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -89,6 +89,7 @@ class VLModel(nn.Module):
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
         eos_token_ids: tuple[int, ...] | None = None,
+        stop_when: Callable[[int, list[int]], bool] | None = None,
     ) -> Iterator[TokenEvent]:
         """Generate with the cache for a left-padded batch; yields each token as it is sampled."""
         with torch.no_grad():
@@ -98,7 +99,7 @@ class VLModel(nn.Module):
         eos = self.eos_token_ids() if eos_token_ids is None else eos_token_ids
         yield from stream_generate(
             self.lm, input_ids, params, attention_mask=attention_mask, inputs_embeds=embeds,
-            positions=positions, eos_token_ids=eos,
+            positions=positions, eos_token_ids=eos, stop_when=stop_when,
         )
 
     def generate(

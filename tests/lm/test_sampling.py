@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lm import Sampler, SamplingParams
-from lm.sampling import _filtered_probs, _penalise
+from lm.sampling import _candidates, _penalise
 
 
 def test_greedy_picks_argmax_per_row():
@@ -14,14 +14,15 @@ def test_greedy_picks_argmax_per_row():
 
 
 def test_top_k_top_p_min_p_filters():
-    scores = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))
-    probs = _filtered_probs(scores, SamplingParams(temperature=1, top_k=2))
-    assert torch.allclose(probs, torch.tensor([2 / 3, 1 / 3, 0, 0, 0]))
-    probs = _filtered_probs(scores, SamplingParams(temperature=1, top_p=0.7))  # 0.5 + 0.25 reaches 0.7
-    assert torch.allclose(probs, torch.tensor([2 / 3, 1 / 3, 0, 0, 0]))
-    probs = _filtered_probs(scores, SamplingParams(temperature=1, min_p=0.2))  # keep p >= 0.1
-    assert (probs > 0).tolist() == [True, True, True, False, False]
-    assert torch.isclose(probs.sum(), torch.tensor(1.0))
+    scores = torch.log(torch.tensor([0.25, 0.5, 0.15, 0.07, 0.03]))
+    ids, probs = _candidates(scores, SamplingParams(temperature=1, top_k=2))
+    assert ids.tolist() == [1, 0] and torch.allclose(probs, torch.tensor([2 / 3, 1 / 3]))
+    ids, probs = _candidates(scores, SamplingParams(temperature=1, top_p=0.7))  # 0.5 + 0.25 reaches 0.7
+    assert ids.tolist() == [1, 0] and torch.allclose(probs, torch.tensor([2 / 3, 1 / 3]))
+    ids, probs = _candidates(scores, SamplingParams(temperature=1, min_p=0.2))  # keep p >= 0.1
+    assert ids.tolist() == [1, 0, 2] and torch.isclose(probs.sum(), torch.tensor(1.0))
+    ids, probs = _candidates(scores, SamplingParams(temperature=1))
+    assert ids.tolist() == [1, 0, 2, 3, 4]
 
 
 def test_repetition_and_presence_penalties():
