@@ -52,14 +52,21 @@ def matmul_flops_per_s(size: int = 2048, reps: int = 5) -> float:
 
 def _times(fn: Callable[[], object], reps: int, warmup: int = 1) -> list[float]:
     """Sorted wall times of `reps` calls after `warmup` calls."""
+    return _interleaved_times([fn], reps, warmup)[0]
+
+
+def _interleaved_times(fns: list[Callable[[], object]], reps: int, warmup: int = 1) -> list[list[float]]:
+    """Sorted wall times per function; the functions take turns so load changes hit all alike."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)
+        for fn, out in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return [sorted(t) for t in times]
 
 
 class _StateDictReader:
@@ -97,8 +104,7 @@ def bench_side(ours: VisionModel, ref: torch.nn.Module, side: int, reps: int, li
     grid_thw = torch.tensor([grid])
     with torch.inference_mode():
         diff = (ours(pixels, grid_thw) - ref(pixels, grid_thw).pooler_output).abs().max().item()
-        t_ours = _times(lambda: ours(pixels, grid_thw), reps)
-        t_ref = _times(lambda: ref(pixels, grid_thw), reps)
+        t_ours, t_ref = _interleaved_times([lambda: ours(pixels, grid_thw), lambda: ref(pixels, grid_thw)], reps)
     flops = vision_flops(config, grid)
     return {
         "side": side, "grid_thw": list(grid), "tokens": grid[0] * grid[1] * grid[2], "flops": flops,
@@ -115,7 +121,7 @@ def run(depth: int = DEFAULT_DEPTH, reps: int = 3, sides: tuple[int, ...] = (448
     ours, ref = build_towers(depth)
     print(f"vision bench: Qwen3.5-35B-A3B tower sizes, {depth} of 27 blocks"
           f"{' (reduced depth for CPU time; per-block cost is the same)' if depth != 27 else ''}, float32, "
-          f"{torch.get_num_threads()} threads; best of {reps} after 1 warm-up")
+          f"{torch.get_num_threads()} threads; best of {reps} after 1 warm-up, ours and transformers taking turns")
     print(f"float32 matmul limit (2048^3, best of 5): {limit / 1e9:.1f} GFLOP/s")
     results = []
     for side in sides:
