@@ -15,7 +15,7 @@ from lm import SamplingParams
 from .chat import split_thinking
 from .loading import load_model
 from .model import VLModel
-from .processor import Conversation, ModelInputs, Processor
+from .processor import Conversation, ModelInputs, Processor, PromptTooLongError
 
 # Model-card sampling presets of Qwen3.5 / Qwen3.6 (thinking and non-thinking "instruct" mode).
 PRESETS = {
@@ -63,7 +63,11 @@ class Pipeline:
         if room <= 0:
             raise ValueError(f"max_new_tokens={params.max_new_tokens} leaves no room in the model's context "
                              f"of {self.max_context} tokens")  # fmt: skip
-        inputs = self.processor(list(conversations), enable_thinking=enable_thinking, max_length=room)
+        try:
+            inputs = self.processor(list(conversations), enable_thinking=enable_thinking, max_length=room)
+        except PromptTooLongError as e:
+            raise PromptTooLongError(f"{e}: the model's context is {self.max_context} tokens and "
+                                     f"max_new_tokens={params.max_new_tokens} are kept for the answer") from e
         device = self.model.lm.lm_head.weight.device
         return inputs.to(device, self.model.lm.lm_head.weight.dtype)
 

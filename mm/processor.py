@@ -32,6 +32,10 @@ VISION_END = "<|vision_end|>"
 _PLACEHOLDER = re.compile(re.escape(IMAGE_TOKEN) + "|" + re.escape(VIDEO_TOKEN))
 
 
+class PromptTooLongError(ValueError):
+    """A prompt has more tokens than allowed."""
+
+
 @dataclass(frozen=True)
 class VideoInfo:
     """What was made of one video: the frames used, their timestamps and the per-group prompt times."""
@@ -195,8 +199,8 @@ class Processor:
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         for i, row in enumerate(ids):
             if max_length is not None and len(row) > max_length:
-                raise ValueError(f"conversation {i}: the prompt is {len(row)} tokens, longer than max_length "
-                                 f"{max_length}")  # fmt: skip
+                raise PromptTooLongError(f"conversation {i}: the prompt is {len(row)} tokens, longer than the "
+                                         f"{max_length} allowed")  # fmt: skip
         longest = max(len(row) for row in ids)
         input_ids = torch.full((len(ids), longest), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(ids), longest), dtype=torch.long)
