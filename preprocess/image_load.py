@@ -99,11 +99,16 @@ def _download(url: str, timeout: float) -> bytes:
 
 
 def _decode_file(path: Path, max_pixels: int) -> Image.Image:
-    if not path.exists():
-        raise ImageError(f"image file not found: {path}")
-    if not path.is_file():
-        raise ImageError(f"image path is not a file: {path}")
-    return _decode(path.read_bytes(), str(path), max_pixels)
+    name = str(path) if len(str(path)) <= 200 else str(path)[:200] + "..."
+    try:
+        if not path.exists():
+            raise ImageError(f"image file not found: {name}")
+        if not path.is_file():
+            raise ImageError(f"image path is not a file: {name}")
+        data = path.read_bytes()
+    except OSError as e:  # e.g. a name too long for the file system, or no permission
+        raise ImageError(f"cannot read image file {name}: {e.strerror or e}") from e
+    return _decode(data, name, max_pixels)
 
 
 def _decode(data: bytes, name: str, max_pixels: int) -> Image.Image:

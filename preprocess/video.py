@@ -87,6 +87,7 @@ def sample_video(
 
 def _sample_file(source: VideoPath, options: dict) -> VideoClip:
     name = f"<{len(source)} bytes>" if isinstance(source, (bytes, bytearray)) else os.fspath(source)
+    name = name if len(name) <= 200 else name[:200] + "..."
     with open_video(source, name) as container:
         stream = video_stream(container, name)
         index = index_stream(container, stream, name)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import io
 import os
 import re
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -64,14 +66,17 @@ def _local_path(source: str | os.PathLike, name: str) -> str:
     if text.startswith(("http://", "https://", "rtsp://")):
         return text  # FFmpeg's own network protocols
     if text.startswith("file://"):
-        text = text[len("file://"):]
+        text = urllib.request.url2pathname(urllib.parse.urlparse(text).path)
     path = Path(text)
-    if not path.exists():
-        raise VideoError(f"video file not found: {name}")
-    if not path.is_file():
-        raise VideoError(f"{name}: is not a file")
-    if path.stat().st_size == 0:
-        raise VideoError(f"{name}: file is empty")
+    try:
+        if not path.exists():
+            raise VideoError(f"video file not found: {name}")
+        if not path.is_file():
+            raise VideoError(f"{name}: is not a file")
+        if path.stat().st_size == 0:
+            raise VideoError(f"{name}: file is empty")
+    except OSError as e:  # e.g. a name too long for the file system
+        raise VideoError(f"cannot read video file {name}: {e.strerror or e}") from e
     return str(path)
 
 

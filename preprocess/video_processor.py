@@ -18,6 +18,8 @@ from .video_resize import check_resample, resize_frames
 
 Video = Union[VideoClip, FrameList]
 
+RESIZE_CHUNK = 16  # frames converted to channel-first and resized at a time
+
 
 class VideoProcessor:
     """Equal to transformers' `Qwen3VLVideoProcessor` (do_sample_frames=False) on the same frames.
@@ -62,10 +64,13 @@ class VideoProcessor:
         """One video to float32 patches [t*h*w, 3*2*16*16] and its grid (t, h, w)."""
         c = self.config
         array = video.frames if isinstance(video, VideoClip) else frames_array(video)  # [T, H, W, 3]
-        frames = torch.from_numpy(np.ascontiguousarray(array)).permute(0, 3, 1, 2).contiguous()  # [T, 3, H, W]
-        height, width = self.target_size(*frames.shape[:1], *frames.shape[2:])
-        frames = resize_frames(frames, height, width, c.resample)
-        return patchify(normalize(frames, self._lut), c.patch_size, c.merge_size, c.temporal_patch_size)
+        num_frames, height, width = array.shape[:3]
+        target_h, target_w = self.target_size(num_frames, height, width)
+        resized = torch.empty((num_frames, 3, target_h, target_w), dtype=torch.uint8)  # [T, 3, h, w]
+        for first in range(0, num_frames, RESIZE_CHUNK):  # chunks bound the channel-first copy
+            chunk = torch.from_numpy(array[first:first + RESIZE_CHUNK]).permute(0, 3, 1, 2).contiguous()
+            resized[first:first + RESIZE_CHUNK] = resize_frames(chunk, target_h, target_w, c.resample)
+        return patchify(normalize(resized, self._lut), c.patch_size, c.merge_size, c.temporal_patch_size)
 
 
 def _as_list(videos) -> list:

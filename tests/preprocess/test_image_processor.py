@@ -104,3 +104,13 @@ def test_encoded_bytes_round_trip(processor):
     _random_image(100, 100, 9).save(buffer, "PNG")
     ours = processor(buffer.getvalue())  # a single image need not be in a list
     _assert_same(ours, [Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")])
+
+
+@pytest.mark.parametrize("size", [(1, 1), (10, 300), (333, 500), (32, 6000), (1500, 2000)])
+def test_torchvision_backend_matches_auto_image_processor_class(size):
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+    keys = ("size", "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std")
+    reference = Qwen2VLImageProcessor(**{k: CONFIG[k] for k in keys})
+    image = _random_image(*size, seed=11)
+    _assert_same(ImageProcessor(backend="torchvision")([image]), [image], reference)

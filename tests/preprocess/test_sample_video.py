@@ -89,9 +89,9 @@ def test_sparse_and_dense_decoding_give_identical_frames(videos, monkeypatch):
     assert _painted(sparse) == [0, 34, 68, 102, 137, 171, 205, 239]
 
 
-def test_bytes_source(videos):
-    clip = sample_video((videos / "cfr.mp4").read_bytes(), num_frames=4)
-    assert _painted(clip) == [0, 33, 66, 99]
+def test_bytes_and_url_sources(videos):
+    assert _painted(sample_video((videos / "cfr.mp4").read_bytes(), num_frames=4)) == [0, 33, 66, 99]
+    assert _painted(sample_video((videos / "cfr.mp4").as_uri(), num_frames=4)) == [0, 33, 66, 99]
 
 
 def test_errors_name_the_file(tmp_path):
