@@ -20,7 +20,7 @@ from transformers.video_utils import VideoMetadata
 
 import preprocess
 from app.tokenizer_files import write_tokenizer
-from mm.processor import ModelInputs, Processor
+from mm.processor import ModelInputs, Processor, PromptTooLongError
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_batch_is_left_padded_in_conversation_order(ours, hf):
 
 
 def test_errors_are_clear(ours, tmp_path):
-    with pytest.raises(ValueError, match="conversation 0: the prompt is [0-9]+ tokens, longer than max_length 5"):
+    with pytest.raises(PromptTooLongError, match="conversation 0: the prompt is [0-9]+ tokens, longer than the 5 allowed"):
         ours([user(text("Hello there"))], max_length=5)
     with pytest.raises(ValueError, match="System message cannot contain images"):
         ours([{"role": "system", "content": [{"type": "image", "image": noise_image(8, 8, 0)}]}, user(text("Hi"))])
