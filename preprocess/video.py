@@ -14,7 +14,7 @@ from PIL import Image
 from .errors import VideoError
 from .frame_sampling import select_frames
 from .video_decode import decode_frames
-from .video_index import StreamIndex, VideoPath, index_stream, open_video, video_stream
+from .video_index import VideoPath, index_stream, open_video, video_stream
 
 FrameList = Union[Sequence[Union[Image.Image, np.ndarray]], np.ndarray, torch.Tensor]
 VideoSource = Union[VideoPath, FrameList]

@@ -122,11 +122,16 @@ def rotation_turns(frame: av.VideoFrame, stream, name: str) -> int:
     """Counter-clockwise quarter turns that make the frame upright.
 
     From the display matrix (PyAV's `frame.rotation`, counter-clockwise degrees), else from an
-    old-style "rotate" stream tag (clockwise degrees). Mirroring in the matrix is not applied.
+    old-style "rotate" stream tag (any case; clockwise degrees). Mirroring in the matrix is not
+    applied.
     """
     degrees = frame.rotation
-    if not degrees and stream.metadata.get("rotate"):
-        degrees = -int(float(stream.metadata["rotate"]))
+    tag = next((value for key, value in stream.metadata.items() if key.lower() == "rotate"), None)
+    if not degrees and tag:
+        try:
+            degrees = -round(float(tag))
+        except ValueError as e:
+            raise VideoError(f"{name}: unreadable rotate tag {tag!r}") from e
     if degrees % 90:
         raise VideoError(f"{name}: rotation of {degrees} degrees is not a multiple of 90; not supported")
     return (degrees // 90) % 4

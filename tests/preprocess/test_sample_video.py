@@ -66,6 +66,13 @@ def test_rotation_is_applied(tmp_path, degrees):
     assert upright_top_half.std() > 50  # the painted bits are back on top
 
 
+def test_old_style_rotate_tag_is_applied(tmp_path):
+    path = video_files.encode(tmp_path / "tagged.mkv", 20, rotate_tag="90", container_format="matroska")
+    clip = sample_video(path, num_frames=4)  # "rotate"=90 means turn 90 degrees clockwise
+    assert clip.frames.shape == (4, 64, 48, 3)
+    assert [read_index(np.rot90(f, 1)) for f in clip.frames] == [0, 6, 13, 19]
+
+
 def test_too_short_video_is_padded(tmp_path):
     clip = sample_video(video_files.encode(tmp_path / "short.mp4", 3), fps=2.0)
     assert _painted(clip) == [0, 1, 2, 2] and clip.timestamps == [0.0, 0.1, 0.2, 0.2]

@@ -39,8 +39,13 @@ def read_index(frame: np.ndarray) -> int:
 
 
 def encode(path: Path, count: int, *, fps: int = 10, gop: int = 10, pts_ms: list[int] | None = None,
-           rotation: int | None = None, container_format: str | None = None, movflags: str | None = None) -> Path:
-    """Write `count` painted frames; `pts_ms` gives explicit millisecond timestamps (variable rate)."""
+           rotation: int | None = None, rotate_tag: str | None = None, container_format: str | None = None,
+           movflags: str | None = None) -> Path:
+    """Write `count` painted frames; `pts_ms` gives explicit millisecond timestamps (variable rate).
+
+    `rotation`: display matrix, counter-clockwise degrees; `rotate_tag`: an old-style "rotate"
+    stream tag (clockwise degrees), which only some containers (MKV) keep.
+    """
     options = {"movflags": movflags} if movflags else {}
     with av.open(str(path), "w", format=container_format, options=options) as out:
         stream = out.add_stream(codec(), rate=fps)
@@ -51,6 +56,8 @@ def encode(path: Path, count: int, *, fps: int = 10, gop: int = 10, pts_ms: list
             stream.time_base = stream.codec_context.time_base = Fraction(1, 1000)
         if rotation is not None:
             stream.set_display_rotation(rotation)
+        if rotate_tag is not None:
+            stream.metadata["rotate"] = rotate_tag
         for i in range(count):
             frame = av.VideoFrame.from_ndarray(paint(i), format="rgb24")
             if pts_ms is not None:
