@@ -1,0 +1,86 @@
+"""Inputs of the captioner: video files, folders and list files expanded to paths, and sharding."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from .media import is_video
+
+LIST_SUFFIXES = (".txt", ".csv", ".jsonl")
+
+
+def expand_inputs(inputs: list[str]) -> list[str]:
+    """Absolute paths of the videos named by `inputs`, sorted, without duplicates.
+
+    An input is a video file (any extension), a folder (searched recursively for video extensions,
+    see `app.media.VIDEO_EXTENSIONS`), or a list file: `.txt` (one path a line; blank lines and `#`
+    comments skipped), `.csv` (a `path` column, else the first column) or `.jsonl` (objects with a
+    "path", e.g. an earlier captions file, or JSON strings). Relative paths in a list file are
+    relative to the list file's folder; listed files are not checked here (a missing one gets an
+    error record). A missing input, or a folder without videos, is an error.
+    """
+    found: set[str] = set()
+    for item in inputs:
+        path = Path(item).expanduser()
+        if path.is_dir():
+            videos = [p for p in path.rglob("*") if p.is_file() and is_video(p)]
+            if not videos:
+                raise FileNotFoundError(f"no video files under {path}")
+            found.update(os.path.abspath(p) for p in videos)
+        elif path.is_file() and path.suffix.lower() in LIST_SUFFIXES:
+            found.update(os.path.abspath(path.parent / p) for p in read_list(path))
+        elif path.is_file():
+            found.add(os.path.abspath(path))
+        else:
+            raise FileNotFoundError(f"input not found: {item}")
+    return sorted(found)
+
+
+def read_list(path: Path) -> list[str]:
+    """The paths named by a .txt, .csv or .jsonl list file."""
+    text = path.read_text(encoding="utf-8")
+    suffix = path.suffix.lower()
+    if suffix == ".txt":
+        lines = (line.strip() for line in text.splitlines())
+        return [line for line in lines if line and not line.startswith("#")]
+    if suffix == ".csv":
+        rows = [row for row in csv.reader(text.splitlines()) if row and row[0].strip()]
+        column = rows[0].index("path") if rows and "path" in rows[0] else None
+        if column is None:
+            return [row[0].strip() for row in rows]
+        return [row[column].strip() for row in rows[1:] if len(row) > column and row[column].strip()]
+    return [_jsonl_path(line, path, n) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+
+
+def _jsonl_path(line: str, path: Path, number: int) -> str:
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}, line {number}: not JSON ({error})") from error
+    if isinstance(value, dict) and isinstance(value.get("path"), str):
+        return value["path"]
+    if isinstance(value, str):
+        return value
+    raise ValueError(f"{path}, line {number}: expected an object with a string 'path', or a string")
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """"i/n" -> (i, n) with 0 <= i < n."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard takes i/n (e.g. 0/4), got {text!r}") from None
+    if count < 1 or not 0 <= index < count:
+        raise ValueError(f"--shard {text}: need 0 <= i < n")
+    return index, count
+
+
+def in_shard(path: str, index: int, count: int) -> bool:
+    """Whether `path` belongs to shard `index` of `count`: by a hash of the absolute path, so that a
+    video's shard does not depend on which other files exist or on the order they were listed."""
+    digest = hashlib.sha1(path.encode("utf-8", "surrogateescape")).digest()
+    return int.from_bytes(digest[:8], "big") % count == index

@@ -1,0 +1,66 @@
+"""The captioner's output: a JSON Lines file, appended one fsync'ed record at a time, resumable."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+class CaptionStore:
+    """Appends records to a .jsonl file; knows which paths already have a record.
+
+    Each record is written as one line with a single `write`, then flushed and fsync'ed, so after
+    a crash or SIGKILL every line but possibly the last is whole. Opening repairs that: a last line
+    without its newline (a torn write) is cut off, with a note on stderr. Any other line that is
+    not a JSON object with a "path" means the file is not ours: ValueError naming the line.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.done: set[str] = set()
+        if self.path.exists():
+            self.done = {record["path"] for record in self._read_and_repair()}
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record (must have "path") durably."""
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        self._file.write(line)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self.done.add(record["path"])
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "CaptionStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _read_and_repair(self) -> list[dict[str, Any]]:
+        data = self.path.read_bytes()
+        whole = data[: data.rfind(b"\n") + 1]  # every line that has its newline
+        if len(whole) < len(data):
+            torn = data[len(whole) :]
+            print(f"{self.path}: dropping a torn last line ({len(torn)} bytes) left by an interrupted run",
+                  file=sys.stderr)  # fmt: skip
+            with open(self.path, "r+b") as file:
+                file.truncate(len(whole))
+                os.fsync(file.fileno())
+        return [self._parse(line, n) for n, line in enumerate(whole.decode("utf-8").splitlines(), 1) if line.strip()]
+
+    def _parse(self, line: str, number: int) -> dict[str, Any]:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{self.path}, line {number}: not a JSON record ({error}); is this a captions file?") from None
+        if not isinstance(record, dict) or not isinstance(record.get("path"), str):
+            raise ValueError(f"{self.path}, line {number}: a record needs a string 'path'; is this a captions file?")
+        return record

@@ -1,0 +1,142 @@
+"""Gradio demo: multimodal chat with a Qwen3.5 / Qwen3.6 checkpoint. `python -m app.demo [--model PATH]`.
+
+Several images and/or videos per turn, streamed answers, the thinking in a collapsible block, sampling
+and video controls, stop and clear buttons. All model work happens in `demo_chat.stream_reply`,
+which calls `mm.Pipeline` only.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from mm import PRESETS, Pipeline
+
+from .demo_chat import MODEL_DEFAULT, error_message, sampling_params, stream_reply, user_message
+from .loading import add_model_arguments, load_pipeline, resolve_model
+from .default_model import RANDOM_WEIGHTS_NOTICE
+
+MAX_FILE_SIZE = "200mb"
+API_NAME = "chat"  # gradio_client: client.submit(message, history, *controls, api_name="/chat")
+
+
+def build_demo(pipeline: Pipeline, *, notice: str | None = None, title: str = "Qwen3.5 / Qwen3.6 chat",
+               max_new_tokens: int = 1024, enable_thinking: bool = True, concurrency_limit: int = 1,
+               queue_size: int = 32) -> gr.Blocks:  # fmt: skip
+    """The demo's Blocks, queued (at most `concurrency_limit` generations at a time, `queue_size` waiting).
+
+    notice: a warning shown above the chat (e.g. RANDOM_WEIGHTS_NOTICE). The chat event's inputs, in
+    order: message ({"text", "files"}), history, preset, temperature, top_p, top_k, max_new_tokens,
+    presence_penalty, seed, thinking, fps, max_frames; outputs: the textbox and the history.
+    """
+    defaults = pipeline.default_params()
+    with gr.Blocks(title=title, analytics_enabled=False) as demo:
+        gr.Markdown(f"## {title}")
+        if notice:
+            gr.Markdown(f"**⚠️ {notice}**", elem_id="notice")
+        with gr.Row():
+            with gr.Column(scale=3):
+                chatbot = gr.Chatbot(label="Chat", height=520, elem_id="chatbot", buttons=["copy"])
+                textbox = gr.MultimodalTextbox(
+                    placeholder="Ask about images or videos (attach several with the clip button)", file_count="multiple",
+                    file_types=["image", "video"], sources=["upload"], show_label=False, elem_id="message",
+                )  # fmt: skip
+                with gr.Row():
+                    stop = gr.Button("Stop", variant="stop", elem_id="stop")
+                    clear = gr.Button("Clear", elem_id="clear")
+            with gr.Column(scale=1):
+                controls = _controls(defaults, max_new_tokens, enable_thinking)
+        chat = textbox.submit(_responder(pipeline), [textbox, chatbot, *controls.values()], [textbox, chatbot],
+                              api_name=API_NAME)  # fmt: skip
+        stop.click(None, None, None, cancels=[chat], api_visibility="private")
+        clear.click(lambda: ([], None), None, [chatbot, textbox], cancels=[chat], api_name="clear")
+        controls["preset"].change(_preset_values, controls["preset"],
+                                  [controls[k] for k in ("temperature", "top_p", "top_k", "presence_penalty", "thinking")],
+                                  api_visibility="private")  # fmt: skip
+    return demo.queue(default_concurrency_limit=concurrency_limit, max_size=queue_size)
+
+
+def _controls(defaults: Any, max_new_tokens: int, enable_thinking: bool) -> dict[str, gr.components.Component]:
+    """The settings column; keys in the chat event's input order."""
+    with gr.Accordion("Generation", open=True):
+        controls = dict(
+            preset=gr.Dropdown([MODEL_DEFAULT, *PRESETS], value=MODEL_DEFAULT, label="Preset"),
+            temperature=gr.Slider(0.0, 2.0, value=defaults.temperature, step=0.05, label="Temperature (0 = greedy)"),
+            top_p=gr.Slider(0.05, 1.0, value=defaults.top_p, step=0.05, label="Top-p"),
+            top_k=gr.Slider(0, 200, value=defaults.top_k, step=1, label="Top-k (0 = off)"),
+            max_new_tokens=gr.Slider(1, max(max_new_tokens, 8192), value=max_new_tokens, step=1,
+                                     label="Max new tokens"),  # fmt: skip
+            presence_penalty=gr.Slider(0.0, 2.0, value=defaults.presence_penalty, step=0.05, label="Presence penalty"),
+            seed=gr.Number(-1, precision=0, label="Seed (-1 = random)"),
+            thinking=gr.Checkbox(value=enable_thinking, label="Thinking", elem_id="thinking"),
+        )
+    with gr.Accordion("Video", open=True):
+        controls["fps"] = gr.Slider(0.25, 8.0, value=2.0, step=0.25, label="Frames per second")
+        controls["max_frames"] = gr.Slider(4, 768, value=64, step=2, label="Max frames")
+    return controls
+
+
+def _preset_values(preset: str) -> tuple[Any, ...]:
+    """Slider values for a preset: its own; "model default" leaves the controls as they are."""
+    if preset == MODEL_DEFAULT:
+        return (gr.skip(),) * 5
+    values = PRESETS[preset]
+    thinking = {"thinking": True, "instruct": False}.get(preset, gr.skip())
+    return values["temperature"], values["top_p"], values["top_k"], values["presence_penalty"], thinking
+
+
+def _responder(pipeline: Pipeline):
+    def chat(message: dict | None, history: list | None, preset: str, temperature: float, top_p: float,
+             top_k: float, max_new_tokens: float, presence_penalty: float, seed: float | None, thinking: bool,
+             fps: float, max_frames: float):  # fmt: skip
+        """Answer the message given the history; yields (textbox, history) as the answer streams."""
+        text = ((message or {}).get("text") or "").strip()
+        files = [f if isinstance(f, str) else f["path"] for f in (message or {}).get("files") or []]
+        if not text and not files:
+            gr.Warning("Type a question or attach an image or video.")
+            yield gr.skip(), history or []
+            return
+        history = list(history or []) + [user_message(text, files)]
+        yield gr.MultimodalTextbox(value=None), history
+        try:
+            params = sampling_params(pipeline, preset, temperature, top_p, top_k, max_new_tokens, presence_penalty,
+                                     seed)  # fmt: skip
+        except ValueError as error:
+            yield gr.skip(), history + [error_message(error)]
+            return
+        for update in stream_reply(pipeline, history, params, thinking=bool(thinking), fps=float(fps),
+                                   max_frames=int(max_frames)):  # fmt: skip
+            yield gr.skip(), update
+
+    return chat
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m app.demo", description="Gradio chat demo for Qwen3.5 / Qwen3.6")
+    add_model_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--share", action="store_true", help="also make a public gradio.live link (off by default)")
+    parser.add_argument("--concurrency", type=int, default=1, help="generations running at once")
+    parser.add_argument("--max-file-size", default=MAX_FILE_SIZE, help="upload size limit, e.g. 200mb")
+    parser.add_argument("--max-new-tokens", type=int, default=1024, help="initial max new tokens")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Start the demo server (blocks until interrupted)."""
+    args = parse_args(argv)
+    path = resolve_model(args.model)  # prints the random-weights notice when no --model
+    pipeline = load_pipeline(path, device=args.device, dtype=args.dtype)
+    notice = RANDOM_WEIGHTS_NOTICE if args.model is None else None
+    title = f"Qwen3.5 / Qwen3.6 chat: {Path(path).name}"
+    demo = build_demo(pipeline, notice=notice, title=title, max_new_tokens=args.max_new_tokens,
+                      concurrency_limit=args.concurrency)  # fmt: skip
+    demo.launch(server_name=args.host, server_port=args.port, share=args.share, max_file_size=args.max_file_size)
+
+
+if __name__ == "__main__":
+    main()

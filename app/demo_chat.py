@@ -1,0 +1,119 @@
+"""The demo's model call: Gradio chat history in, streamed chat history out, through `mm.Pipeline` only.
+
+History messages are Gradio 6 message dicts. The assistant's thinking is its own message with
+`metadata={"title": THINKING_TITLE, ...}` (Gradio shows it as a collapsible block); an error is an
+assistant message titled ERROR_TITLE. Neither goes back to the model: the chat template drops past
+thinking anyway, and a turn that failed (e.g. a corrupt upload) is left out of later prompts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from lm import SamplingParams
+from mm import Pipeline, split_thinking
+
+from .media import media_kind
+
+THINKING_TITLE = "Thinking"
+ERROR_TITLE = "Error"
+MODEL_DEFAULT = "model default"  # the preset choice that means the checkpoint's generation_config.json
+log = logging.getLogger(__name__)
+
+Message = dict[str, Any]
+
+
+def user_message(text: str, files: list[str]) -> Message:
+    """The history entry of a user turn: its files, then its text."""
+    content: list[Any] = [{"path": path} for path in files]
+    if text:
+        content.append(text)
+    return {"role": "user", "content": content}
+
+
+def to_conversation(history: list[Message], *, fps: float | None, max_frames: int | None) -> list[Message]:
+    """`mm.Pipeline` conversation from the chat history (thinking and failed turns left out)."""
+    conversation: list[Message] = []
+    for message in history:
+        title = (message.get("metadata") or {}).get("title")
+        if title == ERROR_TITLE:
+            while conversation and conversation[-1]["role"] == "user":
+                conversation.pop()  # the turn that failed
+        elif not title:
+            parts = [_part(item, fps, max_frames) for item in _contents(message)]
+            conversation.append({"role": message["role"], "content": parts})
+    if not conversation or conversation[-1]["role"] != "user":
+        raise ValueError("the chat has no question to answer")
+    return conversation
+
+
+def _contents(message: Message) -> list[Any]:
+    content = message.get("content")
+    return content if isinstance(content, list) else [content]
+
+
+def _part(item: Any, fps: float | None, max_frames: int | None) -> Message:
+    """A Pipeline content part from a history item: a string, {"path"}, or Gradio's {"type", ...}."""
+    if isinstance(item, str):
+        return {"type": "text", "text": item}
+    if item.get("type") == "text":
+        return {"type": "text", "text": item["text"]}
+    path = item["file"]["path"] if item.get("type") == "file" else item.get("path")
+    if path is None:
+        raise ValueError(f"unsupported chat content: {item!r}")
+    if media_kind(path) == "image":
+        return {"type": "image", "image": path}
+    options = {key: value for key, value in (("fps", fps), ("max_frames", max_frames)) if value is not None}
+    return {"type": "video", "video": path, **options}
+
+
+def answer_messages(text: str, thinking: bool, seconds: float, finished: bool) -> list[Message]:
+    """Assistant messages for the generated text so far: a thinking block (thinking mode), then the answer."""
+    thought, answer = split_thinking(text, in_thinking=thinking)
+    messages: list[Message] = []
+    if thinking:
+        done = finished or "</think>" in text
+        metadata = {"title": THINKING_TITLE, "status": "done" if done else "pending", "duration": round(seconds, 1)}
+        messages.append({"role": "assistant", "content": thought, "metadata": metadata})
+    if answer or not thinking:
+        messages.append({"role": "assistant", "content": answer})
+    return messages
+
+
+def error_message(error: Exception) -> Message:
+    return {"role": "assistant", "content": f"{type(error).__name__}: {error}", "metadata": {"title": ERROR_TITLE}}
+
+
+def stream_reply(pipeline: Pipeline, history: list[Message], params: SamplingParams, *, thinking: bool,
+                 fps: float | None, max_frames: int | None) -> Iterator[list[Message]]:  # fmt: skip
+    """The history with the assistant's reply growing, once per streamed piece; an error ends the reply
+    as an error message instead of raising.
+
+    `thinking` is passed to the chat template as enable_thinking; Qwen3.5 / Qwen3.6 templates then
+    open a `<think>` block in the prompt, so the text before `</think>` is the thinking."""
+    start, text = time.perf_counter(), ""
+    try:
+        conversation = to_conversation(history, fps=fps, max_frames=max_frames)
+        for piece in pipeline.stream(conversation, params, enable_thinking=thinking):
+            text += piece
+            yield history + answer_messages(text, thinking, time.perf_counter() - start, finished=False)
+    except Exception as error:  # shown in the chat; the demo keeps serving
+        if not isinstance(error, ValueError):  # ValueError: bad input (file, prompt length, options)
+            log.exception("generation failed")
+        partial = answer_messages(text, thinking, time.perf_counter() - start, finished=True) if text else []
+        yield history + partial + [error_message(error)]
+        return
+    yield history + answer_messages(text, thinking, time.perf_counter() - start, finished=True)
+
+
+def sampling_params(pipeline: Pipeline, preset: str, temperature: float, top_p: float, top_k: float,
+                    max_new_tokens: float, presence_penalty: float, seed: float | None) -> SamplingParams:  # fmt: skip
+    """SamplingParams from the demo's controls; a negative or empty seed means unseeded."""
+    return pipeline.default_params(
+        None if preset == MODEL_DEFAULT else preset, temperature=float(temperature), top_p=float(top_p),
+        top_k=int(top_k), max_new_tokens=int(max_new_tokens), presence_penalty=float(presence_penalty),
+        seed=None if seed is None or seed < 0 else int(seed),
+    )  # fmt: skip
