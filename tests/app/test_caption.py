@@ -1,0 +1,142 @@
+"""python -m app.caption end to end: folders with bad files, SIGKILL and resume, shards, list inputs, the store."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from app import RANDOM_WEIGHTS_NOTICE, caption
+from app.caption_inputs import expand_inputs, in_shard, parse_shard
+from app.caption_store import CaptionStore
+from tests.app.conftest import write_videos
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = ["--max-new-tokens", "3", "--fps", "4", "--max-frames", "8"]
+
+
+def read_records(path: Path) -> list[dict]:
+    text = path.read_text(encoding="utf-8")
+    assert text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]  # every line must parse
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """6 videos (3 in a subfolder), a corrupt .mp4, an empty .webm and a non-video file."""
+    root = tmp_path_factory.mktemp("videos")
+    write_videos(root, 3)
+    write_videos(root / "sub", 3, start=3)
+    (root / "corrupt.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 but then garbage " * 20)
+    (root / "empty.webm").write_bytes(b"")
+    (root / "notes.txt").write_text("not a video")
+    return root
+
+
+def test_folder_with_bad_files_gives_a_record_each(folder, tmp_path, capsys):
+    out = tmp_path / "captions.jsonl"
+    assert caption.main([str(folder), "--out", str(out), "--batch-size", "4", "--workers", "2", *FAST]) == 0
+    assert RANDOM_WEIGHTS_NOTICE in capsys.readouterr().err
+    records = read_records(out)
+    assert len(records) == 8 and len({r["path"] for r in records}) == 8
+    errors = {Path(r["path"]).name: r["error"] for r in records if r["error"] is not None}
+    assert sorted(errors) == ["corrupt.mp4", "empty.webm"]
+    assert "empty" in errors["empty.webm"] and "corrupt.mp4" in errors["corrupt.mp4"]
+    for record in records:
+        assert set(record) >= {"path", "caption", "frames", "timestamps", "duration", "error", "seconds"}
+        assert Path(record["path"]).is_absolute() and record["seconds"] >= 0
+        if record["error"] is None:
+            assert isinstance(record["caption"], str) and record["frames"] == len(record["timestamps"]) >= 2
+            assert record["frames"] % 2 == 0 and record["duration"] >= 2.0 and record["timestamps"][0] == 0.0
+        else:
+            assert record["caption"] is None and record["frames"] is None
+
+    assert caption.main([str(folder), "--out", str(out), *FAST]) == 0  # everything is done already
+    assert "8 already in" in capsys.readouterr().err
+    assert len(read_records(out)) == 8
+
+
+def test_shards_cover_every_video_once(folder, tmp_path):
+    outs = [tmp_path / f"shard{i}.jsonl" for i in range(2)]
+    for i, out in enumerate(outs):
+        caption.main([str(folder), "--out", str(out), "--shard", f"{i}/2", "--batch-size", "2", *FAST])
+    shards = [{r["path"] for r in read_records(out)} for out in outs]
+    assert shards[0] and shards[1] and not shards[0] & shards[1]
+    assert shards[0] | shards[1] == set(expand_inputs([str(folder)]))
+    assert len(shards[0] | shards[1]) == 8
+
+
+def test_shard_assignment_is_stable_and_complete():
+    paths = [f"/data/videos/{i:04d}.mp4" for i in range(200)]
+    for count in (1, 3, 8):
+        owners = [[i for i in range(count) if in_shard(p, i, count)] for p in paths]
+        assert all(len(o) == 1 for o in owners)
+        assert len({o[0] for o in owners}) == count  # every shard gets work
+    assert parse_shard("2/5") == (2, 5)
+    for bad in ("5/5", "-1/2", "1", "a/b", "0/0"):
+        with pytest.raises(ValueError, match="shard"):
+            parse_shard(bad)
+
+
+def test_sigkill_then_resume_captions_each_video_once(tmp_path):
+    videos = write_videos(tmp_path / "videos", 12)
+    out = tmp_path / "captions.jsonl"
+    command = [sys.executable, "-m", "app.caption", str(tmp_path / "videos"), "--out", str(out), "--batch-size", "1",
+               "--workers", "1", "--max-new-tokens", "8", "--fps", "4", "--max-frames", "8"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out.exists() and out.read_text().count("\n") >= 2):
+            assert process.poll() is None, "the captioner exited before it could be killed"
+            assert time.monotonic() < deadline, "no records after 120 s"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    written = read_records(out)
+    assert 2 <= len(written) < len(videos), "the kill came too late to test resuming"
+
+    assert caption.main([str(tmp_path / "videos"), "--out", str(out), "--batch-size", "3", *FAST]) == 0
+    records = read_records(out)
+    assert sorted(r["path"] for r in records) == sorted(str(v) for v in videos)  # each exactly once
+    assert records[: len(written)] == written and all(r["error"] is None for r in records)
+
+
+def test_store_repairs_a_torn_last_line(tmp_path, capsys):
+    out = tmp_path / "captions.jsonl"
+    good = [{"path": "/a.mp4", "caption": "x"}, {"path": "/b.mp4", "caption": "y"}]
+    out.write_text("".join(json.dumps(r) + "\n" for r in good) + '{"path": "/c.mp4", "capt')
+    with CaptionStore(out) as store:
+        assert store.done == {"/a.mp4", "/b.mp4"}
+        store.write({"path": "/c.mp4", "caption": "z"})
+    assert "torn last line" in capsys.readouterr().err
+    assert read_records(out) == [*good, {"path": "/c.mp4", "caption": "z"}]
+
+    out.write_text('{"path": "/a.mp4"}\nnot json\n{"path": "/b.mp4"}\n')
+    with pytest.raises(ValueError, match="line 2: not a JSON record"):
+        CaptionStore(out)
+
+
+def test_list_files_and_missing_inputs(tmp_path):
+    videos = write_videos(tmp_path / "v", 3)
+    (tmp_path / "list.txt").write_text(f"# videos\nv/{videos[0].name}\n\n{videos[1]}\n")
+    (tmp_path / "list.csv").write_text(f"id,path\n1,v/{videos[1].name}\n2,v/{videos[2].name}\n")
+    (tmp_path / "list.jsonl").write_text(json.dumps({"path": f"v/{videos[2].name}", "caption": "old"}) + "\n")
+    found = expand_inputs([str(tmp_path / n) for n in ("list.txt", "list.csv", "list.jsonl")] + [str(videos[0])])
+    assert found == sorted(str(v) for v in videos)
+    with pytest.raises(FileNotFoundError, match="input not found"):
+        expand_inputs([str(tmp_path / "nope")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no video files under"):
+        expand_inputs([str(tmp_path / "empty")])
+    with pytest.raises(SystemExit):
+        caption.main([str(tmp_path / "v"), "--out", str(tmp_path / "o.jsonl"), "--batch-size", "0"])
