@@ -49,6 +49,25 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor) -> tuple[t
     return out.transpose(1, 2).to(dtype), s
 
 
+def gated_delta_step(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token (T = 1), updating the float32 `state` IN PLACE; same maths as the recurrent form.
+
+    The old state is read once for both q and k: with d = exp(g),
+        S^T k after decay = d * (S^T k),   o = q^T (d S + k delta^T) = d * (S^T q) + (q . k) delta,
+    then S <- d S + k delta^T in place. Returns (out [B, 1, Hv, Dv], state).
+    """
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)  # [B, Hv, 1, D], g / beta [B, Hv, 1]
+    b, h, _, dk = k.shape
+    decay = g.exp()[..., None]  # [B, Hv, 1, 1]
+    read = torch.cat([q, k], dim=2) @ state  # [B, Hv, 2, Dv], one pass over the state
+    delta = (v - decay * read[:, :, 1:]) * beta[..., None]  # [B, Hv, 1, Dv]
+    out = decay * read[:, :, :1] + (q * k).sum(-1, keepdim=True) * delta
+    flat = state.view(b * h, dk, -1)
+    flat.mul_(decay.view(b * h, 1, 1)).baddbmm_(k.reshape(b * h, dk, 1), delta.reshape(b * h, 1, -1))
+    return out.transpose(1, 2).to(dtype), state
+
+
 def chunked_gated_delta_rule(
     q, k, v, g, beta, state: torch.Tensor, chunk_size: int = 64
 ) -> tuple[torch.Tensor, torch.Tensor]:

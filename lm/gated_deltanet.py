@@ -8,7 +8,7 @@ from torch import nn
 
 from .cache import LinearSlot
 from .config import TextConfig
-from .delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from .delta_rule import chunked_gated_delta_rule, gated_delta_step
 from .norm import GatedRMSNorm
 
 
@@ -60,7 +60,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         if real is not None:
             g, beta = g * real[..., None], beta * real[..., None]
-        rule = recurrent_gated_delta_rule if t == 1 else chunked_gated_delta_rule
+        rule = gated_delta_step if t == 1 else chunked_gated_delta_rule
         out, slot.recurrent = rule(q, k, v, g, beta, slot.recurrent)  # [B, T, Hv, Dv]
         z = self.in_proj_z(x).reshape(b, t, self.num_v_heads, self.head_v_dim)
         out = self.norm(out, z).reshape(b, t, self.value_dim)

@@ -15,13 +15,16 @@ class Experts(nn.Module):
 
     gate_up_proj [E, 2I, H] (gate rows first, then up), down_proj [E, H, I].
     Tokens are grouped by expert, and only experts that received tokens are touched: one decode
-    token reads K experts' weights, never all E.
+    token reads K experts' weights, never all E. `grouped=True` runs each projection of all experts
+    as one grouped GEMM (`torch._grouped_mm`, no Python loop); `grouped=False` is the reference
+    loop over the experts that received tokens. Both give the same result.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, grouped: bool = True):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.grouped = grouped
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H]; experts, weights [N, K] -> [N, H] = sum_k weights[:, k] * expert_k(x)."""
@@ -29,20 +32,27 @@ class Experts(nn.Module):
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # selections grouped by expert
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+        xs = x[order // top_k]  # [N*K, H], grouped by expert
+        ys = self._grouped(xs, counts) if self.grouped else self._loop(xs, counts)
+        per_choice = torch.empty_like(ys)
+        per_choice[order] = ys  # back to [token, k] order; no scatter-add (slow with repeated indices)
+        return torch.einsum("nkh,nk->nh", per_choice.view(n, top_k, -1), weights)
+
+    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offsets = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
+        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+
+    def _loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         hit = counts.nonzero().squeeze(-1).tolist()
-        sizes = counts[hit].tolist()
-        token = order // top_k
-        xs = x[token]  # [N*K, H], grouped by expert
         ys = torch.empty_like(xs)
         start = 0
-        for e, size in zip(hit, sizes):
+        for e, size in zip(hit, counts[hit].tolist()):
             end = start + size
             gate, up = F.linear(xs[start:end], self.gate_up_proj[e]).chunk(2, dim=-1)
             ys[start:end] = F.linear(F.silu(gate) * up, self.down_proj[e])
             start = end
-        per_choice = torch.empty_like(ys)
-        per_choice[order] = ys  # back to [token, k] order; no scatter-add (slow with repeated indices)
-        return torch.einsum("nkh,nk->nh", per_choice.view(n, top_k, -1), weights)
+        return ys
 
 
 class Router(nn.Module):

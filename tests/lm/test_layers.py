@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as ref
 
 from lm.config import TextConfig
-from lm.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from lm.delta_rule import chunked_gated_delta_rule, gated_delta_step, recurrent_gated_delta_rule
 from lm.moe import SparseMoeBlock
 from lm.rotary import MRotaryEmbedding, mrope_axis_of_frequency
 from tests import tiny
@@ -33,6 +33,15 @@ def test_chunked_equals_recurrent_and_reference(t):
         q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
     )
     assert rel_err(out_r, out_ref) < 1e-5 and rel_err(s_r, s_ref) < 1e-5
+
+
+def test_decode_step_updates_state_in_place_and_equals_recurrent():
+    q, k, v, g, beta, state = _delta_inputs(t=1)
+    out_r, s_r = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    live = state.clone()
+    out, s = gated_delta_step(q, k, v, g, beta, live)
+    assert s is live
+    assert rel_err(out, out_r) < 1e-5 and rel_err(live, s_r) < 1e-5
 
 
 def test_chunked_split_anywhere_equals_one_pass():
@@ -80,3 +89,20 @@ def test_rotary_matches_reference_with_distinct_rows():
     cos, sin = ours(positions, torch.float32)
     cos_ref, sin_ref = theirs(torch.zeros(1), positions)
     assert torch.equal(cos, cos_ref) and torch.equal(sin, sin_ref)
+
+
+def test_moe_grouped_gemm_equals_reference_loop():
+    from lm.moe import Experts
+
+    torch.manual_seed(1)
+    experts = Experts(8, 32, 16)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(13, 32)
+    chosen = torch.stack([torch.randperm(8)[:3] for _ in range(13)])
+    chosen[:, 0] = 2  # one expert gets every token, others none
+    weights = torch.rand(13, 3)
+    with torch.no_grad():
+        fast = experts(x, chosen, weights)
+        experts.grouped = False
+        assert rel_err(fast, experts(x, chosen, weights)) < 1e-6
