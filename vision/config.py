@@ -64,12 +64,14 @@ class VisionConfig:
             d = d["vision_config"]
         model_type = d.get("model_type")
         if model_type is not None and model_type not in _MODEL_TYPES:
-            raise ValueError(f"vision_config.model_type {model_type!r} is not supported (expected one of {sorted(_MODEL_TYPES)})")
+            raise ValueError(
+                f"vision_config.model_type {model_type!r} is not supported (expected one of {sorted(_MODEL_TYPES)})")
         deepstack = d.get("deepstack_visual_indexes") or []
         if deepstack:
             raise ValueError(f"deepstack_visual_indexes={deepstack} is not supported (only [] is)")
-        if d.get("head_dim") not in (None, d.get("hidden_size", cls.hidden_size) // d.get("num_heads", cls.num_heads)):
-            raise ValueError(f"vision_config.head_dim={d['head_dim']} differs from hidden_size // num_heads; not supported")
+        head_dim = d.get("hidden_size", cls.hidden_size) // d.get("num_heads", cls.num_heads)
+        if d.get("head_dim") not in (None, head_dim):
+            raise ValueError(f"vision_config.head_dim={d['head_dim']} != hidden_size // num_heads; not supported")
         defaults = cls()
         kwargs = {name: d.get(name, getattr(defaults, name)) for name in _HF_FIELDS}
         for name in ("patch_size", "temporal_patch_size"):
@@ -103,7 +105,8 @@ def _rope_theta(d: dict[str, Any]) -> float:
 
 def _validate(c: VisionConfig) -> None:
     if c.hidden_act not in _HIDDEN_ACTS:
-        raise ValueError(f"vision hidden_act {c.hidden_act!r} is not supported (expected one of {sorted(_HIDDEN_ACTS)})")
+        raise ValueError(
+            f"vision hidden_act {c.hidden_act!r} is not supported (expected one of {sorted(_HIDDEN_ACTS)})")
     side = math.isqrt(c.num_position_embeddings)
     if c.num_position_embeddings <= 0 or side * side != c.num_position_embeddings:
         raise ValueError(f"num_position_embeddings={c.num_position_embeddings} is not a perfect square")

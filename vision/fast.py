@@ -65,6 +65,7 @@ def fast_block(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: 
     o = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], segments)  # [N, C]
     x.addmm_(o, attn.proj.weight.t()).add_(attn.proj.bias)
     h = F.layer_norm(x, (c,), block.norm2.weight, block.norm2.bias, block.norm2.eps)
-    f = torch.addmm(mlp.linear_fc1.bias, h, mlp.linear_fc1.weight.t(), out=ws.get("fc1", (n, mlp.linear_fc1.out_features)))
+    fc1 = mlp.linear_fc1
+    f = torch.addmm(fc1.bias, h, fc1.weight.t(), out=ws.get("fc1", (n, fc1.out_features)))  # [N, I]
     torch.ops.aten.gelu_(f, approximate="tanh")
     return x.addmm_(f, mlp.linear_fc2.weight.t()).add_(mlp.linear_fc2.bias)

@@ -109,11 +109,12 @@ class VisionModel(nn.Module):
                 raise ValueError(f"grid (t={t}, h={h}, w={w}) must be positive with h, w multiples of {merge}")
         expected = (sum(t * h * w for t, h, w in grids), self.config.patch_dim)
         if pixel_values.dim() != 2 or tuple(pixel_values.shape) != expected:
-            raise ValueError(f"pixel_values must be {list(expected)} for grid_thw {grids}, got {list(pixel_values.shape)}")
+            raise ValueError(
+                f"pixel_values must be {list(expected)} for grid_thw {grids}, got {list(pixel_values.shape)}")
         return grids
 
     def _grid_tables(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Position embeddings `[N, C]` and rotary cos, sin `[N, D/2]`, each computed once per distinct (h, w)."""
+        """Position embeddings `[N, C]` and rotary cos, sin `[N, D/2]`, computed once per distinct (h, w)."""
         merge = self.config.spatial_merge_size
         table = self.pos_embed.weight
         freqs = inv_freq(self.config.head_dim, self.config.rope_theta)  # float32 [D/4], whatever the model dtype

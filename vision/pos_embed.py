@@ -31,7 +31,9 @@ def _axis_taps(index: torch.Tensor, size: int, side: int) -> tuple[torch.Tensor,
     return taps, (1 - distance).clamp(min=0)
 
 
-def interpolation_taps(h: int, w: int, side: int, merge: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def interpolation_taps(
+    h: int, w: int, side: int, merge: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather indices `[h*w, 4]` into the flattened `side x side` table and float32 weights `[h*w, 4]`."""
     positions = merge_order_positions(h, w, merge, device)  # [h*w, 2] (row, col)
     h_taps, h_weights = _axis_taps(positions[:, 0], h, side)

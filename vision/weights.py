@@ -3,9 +3,12 @@
 The tower's parameter names equal the checkpoint names under `model.visual.` (the VL checkpoints'
 layout), so the mapping is `prefix + name` with no renames, fusions or transposes:
 
-    model.visual.patch_embed.proj.{weight [C, 3, 2, 16, 16], bias}   model.visual.pos_embed.weight [2304, C]
-    model.visual.blocks.{i}.{norm1,norm2}.{weight,bias}                model.visual.blocks.{i}.attn.{qkv,proj}.{weight,bias}
-    model.visual.blocks.{i}.mlp.{linear_fc1,linear_fc2}.{weight,bias}  model.visual.merger.{norm,linear_fc1,linear_fc2}.{weight,bias}
+    model.visual.patch_embed.proj.{weight [C, 3, 2, 16, 16], bias}
+    model.visual.pos_embed.weight [2304, C]
+    model.visual.blocks.{i}.{norm1,norm2}.{weight,bias}
+    model.visual.blocks.{i}.attn.{qkv [3C, C],proj [C, C]}.{weight,bias}
+    model.visual.blocks.{i}.mlp.{linear_fc1,linear_fc2}.{weight,bias}
+    model.visual.merger.{norm [C],linear_fc1 [4C, 4C],linear_fc2 [out, 4C]}.{weight,bias}
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def ours_from(ref: torch.nn.Module, fast: bool = True) -> VisionModel:
     return model
 
 
-def patches(grid_thw: list[list[int]], patch_dim: int = 3 * 2 * 16 * 16, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def patches(grid_thw: list[list[int]], patch_dim: int = 1536, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     grid = torch.tensor(grid_thw, dtype=torch.long)
     n = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
     gen = torch.Generator().manual_seed(seed)
