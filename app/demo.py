@@ -48,7 +48,7 @@ def build_demo(pipeline: Pipeline, *, notice: str | None = None, title: str = "Q
                     stop = gr.Button("Stop", variant="stop", elem_id="stop")
                     clear = gr.Button("Clear", elem_id="clear")
             with gr.Column(scale=1):
-                controls = _controls(defaults, max_new_tokens, enable_thinking)
+                controls = _controls(defaults, max_new_tokens, pipeline.max_context, enable_thinking)
         chat = textbox.submit(_responder(pipeline), [textbox, chatbot, *controls.values()], [textbox, chatbot],
                               api_name=API_NAME)  # fmt: skip
         stop.click(None, None, None, cancels=[chat], api_visibility="private")
@@ -59,7 +59,7 @@ def build_demo(pipeline: Pipeline, *, notice: str | None = None, title: str = "Q
     return demo.queue(default_concurrency_limit=concurrency_limit, max_size=queue_size)
 
 
-def _controls(defaults: Any, max_new_tokens: int, enable_thinking: bool) -> dict[str, gr.components.Component]:
+def _controls(defaults: Any, max_new_tokens: int, max_context: int, enable_thinking: bool) -> dict[str, gr.components.Component]:
     """The settings column; keys in the chat event's input order."""
     with gr.Accordion("Generation", open=True):
         controls = dict(
@@ -67,8 +67,8 @@ def _controls(defaults: Any, max_new_tokens: int, enable_thinking: bool) -> dict
             temperature=gr.Slider(0.0, 2.0, value=defaults.temperature, step=0.05, label="Temperature (0 = greedy)"),
             top_p=gr.Slider(0.05, 1.0, value=defaults.top_p, step=0.05, label="Top-p"),
             top_k=gr.Slider(0, 200, value=defaults.top_k, step=1, label="Top-k (0 = off)"),
-            max_new_tokens=gr.Slider(1, max(max_new_tokens, 8192), value=max_new_tokens, step=1,
-                                     label="Max new tokens"),  # fmt: skip
+            max_new_tokens=gr.Slider(1, max_context, value=min(max_new_tokens, max_context), step=1,
+                                     label="Max new tokens", elem_id="max_new_tokens"),  # fmt: skip
             presence_penalty=gr.Slider(0.0, 2.0, value=defaults.presence_penalty, step=0.05, label="Presence penalty"),
             seed=gr.Number(-1, precision=0, label="Seed (-1 = random)"),
             thinking=gr.Checkbox(value=enable_thinking, label="Thinking", elem_id="thinking"),
