@@ -1,0 +1,31 @@
+"""The machine's physical limits, measured in-process: memory read bandwidth and float32 matmul FLOP/s."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def best_time(fn, repeats: int = 5, warmup: int = 1) -> float:
+    """Fastest wall time of `fn()` over `repeats` runs, in seconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def memory_read_bandwidth(gib: float = 1.0) -> float:
+    """Bytes/s of a streaming read (a sum over a buffer far larger than the caches)."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    return x.numel() * 4 / best_time(lambda: x.sum())
+
+
+def matmul_flops(n: int = 2048) -> float:
+    """float32 FLOP/s of a large square matmul."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / best_time(lambda: a @ b)

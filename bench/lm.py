@@ -1,0 +1,194 @@
+"""Language-model speed: our engine against transformers on the same random weights, in one process.
+
+    python -m bench.lm [--quick]
+
+Builds a float32 Qwen3.5-MoE text model with the real proportions scaled down (hidden 1024, 16 layers
+= 12 Gated DeltaNet + 4 gated attention, 64 experts top-8 of width 256 plus a shared expert, head_dim
+256, 8 q / 2 kv heads, DeltaNet 8 key / 16 value heads of dim 128, vocab 32768), saves it as a real
+checkpoint and loads it with `mm.load_model`. Prints prefill and decode speed for both, the ratio, and
+the share of the physical limit: decode = bytes of weights touched per step / measured read
+bandwidth; prefill = matmul FLOPs / measured float32 matmul FLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.limits import best_time, matmul_flops, memory_read_bandwidth
+from lm import SamplingParams, stream_generate
+
+CONFIG = dict(
+    model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"], vocab_size=32768,
+    hidden_size=1024, num_hidden_layers=16, full_attention_interval=4,
+    num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+    linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256,
+    shared_expert_intermediate_size=256, rms_norm_eps=1e-6, max_position_embeddings=16384,
+    tie_word_embeddings=False, eos_token_id=None,
+    rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                         mrope_section=[11, 11, 10], mrope_interleaved=True),
+)
+
+
+def build(workdir: Path):
+    """(transformers model, our model) with identical random weights, via a saved checkpoint."""
+    import transformers
+
+    import mm
+
+    config = transformers.AutoConfig.for_model(**CONFIG)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3_5MoeForCausalLM._from_config(config, dtype=torch.float32).eval()
+    hf.save_pretrained(workdir)
+    return hf, mm.load_model(workdir)
+
+
+# ---------------------------------------------------------------- physical limits of this model
+
+
+def weight_bytes_per_step(model, experts_touched_per_layer: float) -> float:
+    """Bytes of weights one decode step reads: everything but the embedding table and unused experts."""
+    cfg = model.config.text
+    total = 0
+    for name, p in model.lm.named_parameters():
+        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj") or "embed_tokens" in name:
+            continue
+        total += p.numel() * p.element_size()
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
+    return total + cfg.num_hidden_layers * experts_touched_per_layer * per_expert
+
+
+def prefill_flops(model, tokens: int) -> float:
+    """Matmul FLOPs of a prefill: active weights x tokens, attention scores, DeltaNet chunk maths."""
+    cfg = model.config.text
+    dense = 0
+    for name, p in model.lm.named_parameters():
+        if p.ndim == 2 and "embed_tokens" not in name and "lm_head" not in name:
+            dense += p.numel()
+    experts = cfg.num_hidden_layers * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    flops = 2 * tokens * (dense + experts) + 2 * cfg.hidden_size * cfg.vocab_size  # lm_head: last token only
+    n_full = len(cfg.full_attention_layers)
+    flops += n_full * 2 * 2 * (tokens * tokens / 2) * cfg.num_attention_heads * cfg.head_dim  # QK^T, PV (causal)
+    c, hv, dk, dv = 64, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    per_chunk = 2 * hv * (c * c * dk * 2 + c * c * dv + c * c * (dv + dk) + 2 * c * dk * dv * 2 + c * c * dv)
+    flops += len(cfg.linear_attention_layers) * per_chunk * (tokens / c)
+    return flops
+
+
+class ExpertCounter:
+    """Counts distinct experts per router call (decode steps only) through forward hooks."""
+
+    def __init__(self, model):
+        self.counts: list[int] = []
+        self.hooks = [m.register_forward_hook(self._hook) for n, m in model.lm.named_modules() if n.endswith("mlp.gate")]
+
+    def _hook(self, module, inputs, output):
+        experts = output[0]
+        if inputs[0].shape[0] <= 8:  # a decode step (prompts here are longer than any decode batch)
+            self.counts.append(int(experts.unique().numel()))
+
+    def mean(self) -> float:
+        return sum(self.counts) / max(1, len(self.counts))
+
+    def close(self):
+        for h in self.hooks:
+            h.remove()
+
+
+# ---------------------------------------------------------------- timings
+
+
+def ours_prefill(model, ids) -> float:
+    lm = model.lm
+
+    def run():
+        cache = lm.make_cache(ids.shape[0], ids.shape[1])
+        with torch.no_grad():
+            lm(ids, cache=cache, last_only=True)
+
+    return best_time(run, repeats=2, warmup=1)
+
+
+def hf_prefill(hf, ids) -> float:
+    def run():
+        with torch.no_grad():
+            hf(input_ids=ids, logits_to_keep=1, use_cache=True)
+
+    return best_time(run, repeats=2, warmup=1)
+
+
+def ours_decode(model, ids, new_tokens: int) -> float:
+    """Seconds per decode step (first token excluded: it comes from the prefill)."""
+    params = SamplingParams(max_new_tokens=new_tokens)
+    stamps = []
+    for event in stream_generate(model.lm, ids, params, prefill_chunk=4096):
+        if event.row == 0:
+            stamps.append(time.perf_counter())
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+
+def hf_decode(hf, ids, new_tokens: int) -> float:
+    def gen(n):
+        start = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        return time.perf_counter() - start
+
+    return (gen(new_tokens + 1) - gen(1)) / new_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short prompts (for a smoke run)")
+    parser.add_argument("--skip-hf", action="store_true", help="only our engine")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    bandwidth, flops_s = memory_read_bandwidth(), matmul_flops()
+    print(f"machine: {torch.get_num_threads()} threads, read bandwidth {bandwidth / 1e9:.1f} GB/s, "
+          f"float32 matmul {flops_s / 1e9:.0f} GFLOP/s")
+    with tempfile.TemporaryDirectory() as tmp:
+        hf, model = build(Path(tmp))
+    prompt, long_prompt, new = (256, 1024, 32) if args.quick else (2048, 8192, 128)
+    vocab = model.config.text.vocab_size
+    rows = []
+
+    ids = torch.randint(0, vocab, (1, prompt))
+    ours = ours_prefill(model, ids)
+    theirs = None if args.skip_hf else hf_prefill(hf, ids)
+    flops = prefill_flops(model, prompt)
+    rows.append((f"prefill {prompt} tok (tok/s)", prompt / ours, theirs and prompt / theirs, flops / ours / flops_s))
+
+    for batch in (1, 8):
+        ids = torch.randint(0, vocab, (batch, 32))
+        counter = ExpertCounter(model)
+        step = ours_decode(model, ids, new)
+        counter.close()
+        theirs = None if args.skip_hf else hf_decode(hf, ids, new)
+        limit = weight_bytes_per_step(model, counter.mean()) / bandwidth
+        rows.append((f"decode batch {batch} (tok/s)", batch / step, theirs and batch / theirs, limit / step))
+        print(f"  batch {batch}: {counter.mean():.1f} experts/layer touched per step, limit {limit * 1e3:.1f} ms/step")
+
+    short = ours_decode(model, torch.randint(0, vocab, (1, 128)), new)
+    long = ours_decode(model, torch.randint(0, vocab, (1, long_prompt)), new)
+    theirs = None if args.skip_hf else hf_decode(hf, torch.randint(0, vocab, (1, long_prompt)), new)
+    rows.append((f"decode after {long_prompt} tok (tok/s)", 1 / long, theirs and 1 / theirs, None))
+    report(rows)
+    print(f"decode per token after {long_prompt} vs after 128 prompt tokens: {long / short:.2f}x slower")
+
+
+def report(rows) -> None:
+    print(f"\n{'':34s}{'ours':>10s}{'transformers':>14s}{'ratio':>8s}{'of limit':>10s}")
+    for name, ours, theirs, share in rows:
+        t = f"{theirs:14.1f}" if theirs else f"{'-':>14s}"
+        r = f"{ours / theirs:7.2f}x" if theirs else f"{'-':>8s}"
+        s = f"{share * 100:9.0f}%" if share else f"{'-':>10s}"
+        print(f"{name:34s}{ours:10.1f}{t}{r}{s}")
+
+
+if __name__ == "__main__":
+    main()
