@@ -29,6 +29,23 @@ def attention_mask_for(cache: Cache, num_tokens: int) -> torch.Tensor | None:
     return mask[:, None]
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float):
+    """Attention of one new token per row: q [B, H, 1, D] over k, v [B, KV, L, D] -> [B, H, 1, D].
+
+    The H / KV query heads sharing a KV head become rows of one product, so K and V are streamed
+    once (no per-head copies); `[L, D] @ [D, rep]` keeps the long dimension contiguous. mask [B, 1, 1, L].
+    """
+    b, h, _, d = q.shape
+    kv, length = k.shape[1], k.shape[2]
+    scores = torch.bmm(k.reshape(b * kv, length, d), q.reshape(b * kv, h // kv, d).transpose(1, 2))  # [B*KV, L, rep]
+    scores = scores * scale
+    if mask is not None:
+        keep = mask.reshape(b, 1, length, 1).expand(b, kv, length, 1).reshape(b * kv, length, 1)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scores, dim=1)
+    return torch.bmm(probs.transpose(1, 2), v.reshape(b * kv, length, d)).view(b, h, 1, d)
+
+
 class GatedAttention(nn.Module):
     def __init__(self, config: TextConfig):
         super().__init__()
@@ -58,8 +75,11 @@ class GatedAttention(nn.Module):
         cos, sin = rope
         q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         k, v = slot.append(k, v)  # [B, KV, L, D]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and t > 1, scale=d**-0.5, enable_gqa=True
-        )  # [B, H, T, D]
+        if t == 1:
+            out = decode_attention(q, k, v, mask, d**-0.5)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=d**-0.5, enable_gqa=True
+            )  # [B, H, T, D]
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * d)
         return self.o_proj(out * torch.sigmoid(gate.reshape(b, t, -1)))

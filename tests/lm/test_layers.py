@@ -106,3 +106,18 @@ def test_moe_grouped_gemm_equals_reference_loop():
         fast = experts(x, chosen, weights)
         experts.grouped = False
         assert rel_err(fast, experts(x, chosen, weights)) < 1e-6
+
+
+def test_decode_attention_equals_sdpa_with_gqa_and_padding():
+    from lm.attention import decode_attention
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 8, 1, 32, generator=g)
+    k_buf, v_buf = torch.randn(3, 2, 50, 32, generator=g), torch.randn(3, 2, 50, 32, generator=g)
+    k, v = k_buf[:, :, :40], v_buf[:, :, :40]  # a cache slice, as in decoding
+    mask = torch.ones(3, 1, 1, 40, dtype=torch.bool)
+    mask[1, ..., :15] = False  # left padding
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert rel_err(decode_attention(q, k, v, mask, 32**-0.5), ref) < 1e-5
+    ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert rel_err(decode_attention(q, k, v, None, 32**-0.5), ref) < 1e-5
