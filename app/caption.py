@@ -29,23 +29,22 @@ DEFAULT_PROMPT = "Describe this video in detail."
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line of `python -m app.caption`."""
-    parser = argparse.ArgumentParser(prog="python -m app.caption", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(prog="python -m app.caption", description=__doc__.split("\n\n")[0])
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
                         help="video files, folders (searched recursively) or .txt/.csv/.jsonl lists of paths")
     parser.add_argument("--out", required=True, help="output .jsonl file (appended to; existing videos are skipped)")
     add_model_arguments(parser)
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the question asked about every video")
-    parser.add_argument("--fps", type=float, default=2.0, help="frames sampled per second of video")
-    parser.add_argument("--max-frames", type=int, default=64, help="at most this many frames per video")
-    parser.add_argument("--batch-size", type=int, default=4, help="videos per generation call")
-    parser.add_argument("--workers", type=int, default=2, help="decoding threads (they run ahead of generation)")
-    parser.add_argument("--max-new-tokens", type=int, default=512, help="caption length limit in tokens")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the question asked about every video (default: %(default)r)")
+    parser.add_argument("--fps", type=float, default=2.0, help="frames sampled per second of video (default: %(default)s)")
+    parser.add_argument("--max-frames", type=int, default=64, help="at most this many frames per video (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=4, help="videos per generation call (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=2, help="decoding threads, running ahead of generation (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="caption length limit in tokens (default: %(default)s)")
     parser.add_argument("--preset", default=None, choices=["thinking", "instruct", "greedy"],
                         help="sampling preset (default: the checkpoint's generation_config.json)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: not seeded)")
     parser.add_argument("--thinking", action="store_true", help="let the model think before captioning")
-    parser.add_argument("--shard", default="0/1", help="i/n: caption only shard i of n (split by a path hash)")
+    parser.add_argument("--shard", default="0/1", help="i/n: caption only shard i of n, split by a hash of the path (default: %(default)s)")
     args = parser.parse_args(argv)
     for name in ("batch_size", "workers", "max_frames", "max_new_tokens"):
         if getattr(args, name) < 1:
@@ -60,7 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the captioner; returns the exit status (0 also when some videos got error records)."""
     args = parse_args(argv)
-    model_path = resolve_model(args.model)  # fail (or announce the random model) before any work
+    try:
+        model_path = resolve_model(args.model)  # fail (or announce the random model) before any work
+    except FileNotFoundError as error:
+        raise SystemExit(f"error: {error}") from None
     paths = [p for p in expand_inputs(args.inputs) if in_shard(p, *args.shard)]
     with CaptionStore(args.out) as store:
         todo = [p for p in paths if p not in store.done]

@@ -129,7 +129,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """Start the demo server (blocks until interrupted)."""
     args = parse_args(argv)
-    path = resolve_model(args.model)  # prints the random-weights notice when no --model
+    try:
+        path = resolve_model(args.model)  # prints the random-weights notice when no --model
+    except FileNotFoundError as error:
+        raise SystemExit(f"error: {error}") from None
     pipeline = load_pipeline(path, device=args.device, dtype=args.dtype)
     notice = RANDOM_WEIGHTS_NOTICE if args.model is None else None
     title = f"Qwen3.5 / Qwen3.6 chat: {Path(path).name}"

@@ -95,27 +95,54 @@ def test_errors_appear_in_the_chat(client, media):
     assert texts(after[-1]) and not after[-1]["metadata"]
 
 
-def test_browser_question_with_an_image_streams(url, media, tmp_path):
+@pytest.fixture(scope="module")
+def browser():
     if not os.path.exists(CHROMIUM):
         pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium; `make test` does)")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto(url)
-            page.wait_for_selector("#message textarea", timeout=30_000)
-            assert "RANDOM weights" in page.inner_text("#notice")
-            lengths = _ask_in_page(page, "What is in this image?", media["image"])
-            shot = tmp_path / "demo.png"
-            page.screenshot(path=str(shot), full_page=True)
-        finally:
-            browser.close()
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser, url):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(url)
+    page.wait_for_selector("#message textarea", timeout=30_000)
+    yield page
+    page.close()
+
+
+def test_browser_question_with_an_image_streams(page, media, tmp_path):
+    assert "RANDOM weights" in page.inner_text("#notice")
+    lengths = _ask_in_page(page, "What is in this image?", media["image"])
     assert len(lengths) >= 2 and 0 < lengths[0] < lengths[-1], lengths  # the answer appears, then grows
+    shot = tmp_path / "demo.png"
+    page.screenshot(path=str(shot), full_page=True)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with Image.open(shot) as image:
         assert image.size[0] >= 1280
+
+
+def test_browser_stop_cancels_generation(page, client):
+    page.fill("#max_new_tokens input[type=number]", "4000")
+    page.press("#max_new_tokens input[type=number]", "Enter")
+    assert page.input_value("#max_new_tokens input[type=number]") == "4000"  # ~2 min of tokens here
+    page.fill("#message textarea", "Tell me a long story.")
+    page.press("#message textarea", "Enter")
+    bot = page.locator("#chatbot [data-testid='bot']").last
+    page.wait_for_function("() => document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length > 0")
+    page.click("#stop")
+    time.sleep(1.0)
+    stopped = bot.inner_text()
+    time.sleep(2.0)
+    assert bot.inner_text() == stopped  # nothing more arrives
+    start = time.monotonic()
+    history, _ = chat(client, "Are you free again?")  # one generation at a time: waits if the old one still ran
+    assert texts(history[-1]) and time.monotonic() - start < 30  # so the cancelled generation ended
 
 
 def _ask_in_page(page, question: str, image: Path) -> list[int]:
