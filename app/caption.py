@@ -34,17 +34,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="video files, folders (searched recursively) or .txt/.csv/.jsonl lists of paths")
     parser.add_argument("--out", required=True, help="output .jsonl file (appended to; existing videos are skipped)")
     add_model_arguments(parser)
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the question asked about every video (default: %(default)r)")
-    parser.add_argument("--fps", type=float, default=2.0, help="frames sampled per second of video (default: %(default)s)")
-    parser.add_argument("--max-frames", type=int, default=64, help="at most this many frames per video (default: %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=4, help="videos per generation call (default: %(default)s)")
-    parser.add_argument("--workers", type=int, default=2, help="decoding threads, running ahead of generation (default: %(default)s)")
-    parser.add_argument("--max-new-tokens", type=int, default=512, help="caption length limit in tokens (default: %(default)s)")
+    default = " (default: %(default)s)"
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the question asked about every video" + default)
+    parser.add_argument("--fps", type=float, default=2.0, help="frames sampled per second of video" + default)
+    parser.add_argument("--max-frames", type=int, default=64, help="at most this many frames per video" + default)
+    parser.add_argument("--batch-size", type=int, default=4, help="videos per generation call" + default)
+    parser.add_argument("--workers", type=int, default=2, help="decoding threads, ahead of generation" + default)
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="caption length limit in tokens" + default)
     parser.add_argument("--preset", default=None, choices=["thinking", "instruct", "greedy"],
                         help="sampling preset (default: the checkpoint's generation_config.json)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: not seeded)")
     parser.add_argument("--thinking", action="store_true", help="let the model think before captioning")
-    parser.add_argument("--shard", default="0/1", help="i/n: caption only shard i of n, split by a hash of the path (default: %(default)s)")
+    parser.add_argument("--shard", default="0/1", help="i/n: only shard i of n, split by a hash of the path" + default)
     args = parser.parse_args(argv)
     for name in ("batch_size", "workers", "max_frames", "max_new_tokens"):
         if getattr(args, name) < 1:

@@ -76,8 +76,8 @@ def prefetch(paths: Iterable[str], work: Callable[[str], Decoded], workers: int,
 def caption_batch(pipeline: Pipeline, batch: list[Decoded], job: CaptionJob) -> list[dict[str, Any]]:
     """Records for a batch of decoded videos, generated together. A batch the pipeline refuses
     (e.g. a prompt too long for the context) is split so that only the offending videos get errors."""
-    conversations = [[{"role": "user", "content": [{"type": "video", "video": item.clip},
-                                                   {"type": "text", "text": job.prompt}]}] for item in batch]  # fmt: skip
+    question = {"type": "text", "text": job.prompt}
+    conversations = [[{"role": "user", "content": [{"type": "video", "video": item.clip}, question]}] for item in batch]
     start = time.perf_counter()
     try:
         outputs = pipeline.generate(conversations, job.params, enable_thinking=job.enable_thinking)
@@ -95,7 +95,8 @@ def caption_record(item: Decoded, caption: str, thinking: str, finish_reason: st
     clip = item.clip
     return dict(path=item.path, caption=caption, thinking=thinking, frames=len(clip),
                 timestamps=[round(float(t), 3) for t in clip.timestamps], duration=round(float(clip.duration), 3),
-                error=None, finish_reason=finish_reason, completion_tokens=tokens, seconds=round(seconds, 3))  # fmt: skip
+                error=None, finish_reason=finish_reason, completion_tokens=tokens,
+                seconds=round(seconds, 3))  # fmt: skip
 
 
 def error_record(item: Decoded, error: str) -> dict[str, Any]:

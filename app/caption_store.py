@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sys
@@ -15,17 +16,20 @@ class CaptionStore:
     Each record is written as one line with a single `write`, then flushed and fsync'ed, so after
     a crash or SIGKILL every line but possibly the last is whole. Opening repairs that: a last line
     without its newline (a torn write) is cut off, with a note on stderr. Any other line that is
-    not a JSON object with a "path" means the file is not ours: ValueError naming the line.
+    not a JSON object with a "path" means the file is not ours: ValueError naming the line. The file
+    is locked (flock) while open, so a second captioner on the same output fails instead of interleaving.
     """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.done: set[str] = set()
-        if self.path.exists():
-            self.done = {record["path"] for record in self._read_and_repair()}
-        else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
+        try:
+            self._lock()
+            self.done: set[str] = {record["path"] for record in self._read_and_repair()}
+        except BaseException:
+            self._file.close()
+            raise
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record (must have "path") durably."""
@@ -44,6 +48,13 @@ class CaptionStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _lock(self) -> None:
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"{self.path} is being written by another captioner; give each process (shard) "
+                               "its own --out file") from None
+
     def _read_and_repair(self) -> list[dict[str, Any]]:
         data = self.path.read_bytes()
         whole = data[: data.rfind(b"\n") + 1]  # every line that has its newline
@@ -60,7 +71,8 @@ class CaptionStore:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            raise ValueError(f"{self.path}, line {number}: not a JSON record ({error}); is this a captions file?") from None
+            raise ValueError(f"{self.path}, line {number}: not a JSON record ({error}); "
+                             "is this a captions file?") from None
         if not isinstance(record, dict) or not isinstance(record.get("path"), str):
             raise ValueError(f"{self.path}, line {number}: a record needs a string 'path'; is this a captions file?")
         return record

@@ -41,8 +41,9 @@ def build_demo(pipeline: Pipeline, *, notice: str | None = None, title: str = "Q
             with gr.Column(scale=3):
                 chatbot = gr.Chatbot(label="Chat", height=520, elem_id="chatbot", buttons=["copy"])
                 textbox = gr.MultimodalTextbox(
-                    placeholder="Ask about images or videos (attach several with the clip button)", file_count="multiple",
-                    file_types=["image", "video"], sources=["upload"], show_label=False, elem_id="message",
+                    placeholder="Ask about images or videos (attach several with the clip button)",
+                    file_count="multiple", file_types=["image", "video"], sources=["upload"], show_label=False,
+                    elem_id="message",
                 )  # fmt: skip
                 with gr.Row():
                     stop = gr.Button("Stop", variant="stop", elem_id="stop")
@@ -53,13 +54,13 @@ def build_demo(pipeline: Pipeline, *, notice: str | None = None, title: str = "Q
                               api_name=API_NAME)  # fmt: skip
         stop.click(None, None, None, cancels=[chat], api_visibility="private")
         clear.click(lambda: ([], None), None, [chatbot, textbox], cancels=[chat], api_name="clear")
-        controls["preset"].change(_preset_values, controls["preset"],
-                                  [controls[k] for k in ("temperature", "top_p", "top_k", "presence_penalty", "thinking")],
-                                  api_visibility="private")  # fmt: skip
+        preset_outputs = [controls[k] for k in ("temperature", "top_p", "top_k", "presence_penalty", "thinking")]
+        controls["preset"].change(_preset_values, controls["preset"], preset_outputs, api_visibility="private")
     return demo.queue(default_concurrency_limit=concurrency_limit, max_size=queue_size)
 
 
-def _controls(defaults: Any, max_new_tokens: int, max_context: int, enable_thinking: bool) -> dict[str, gr.components.Component]:
+def _controls(defaults: Any, max_new_tokens: int, max_context: int,
+              enable_thinking: bool) -> dict[str, gr.components.Component]:  # fmt: skip
     """The settings column; keys in the chat event's input order."""
     with gr.Accordion("Generation", open=True):
         controls = dict(

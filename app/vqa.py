@@ -74,7 +74,8 @@ class VQA:
         """The sampling parameters of a call: the preset's (or checkpoint's) defaults, then `sampling`."""
         unknown = sorted(set(sampling) - SAMPLING_FIELDS)
         if unknown:
-            raise TypeError(f"unknown sampling option(s) {unknown}; SamplingParams fields are {sorted(SAMPLING_FIELDS)}")
+            raise TypeError(f"unknown sampling option(s) {unknown}; "
+                            f"SamplingParams fields are {sorted(SAMPLING_FIELDS)}")
         return self.pipeline.default_params(self.preset, **sampling)
 
     def ask(self, question: str, image: Any = None, images: Sequence[Any] | None = None, video: Any = None, *,

@@ -121,6 +121,9 @@ def test_store_repairs_a_torn_last_line(tmp_path, capsys):
     assert "torn last line" in capsys.readouterr().err
     assert read_records(out) == [*good, {"path": "/c.mp4", "caption": "z"}]
 
+    with CaptionStore(out), pytest.raises(RuntimeError, match="another captioner"):
+        CaptionStore(out)  # a second writer on the same file
+
     out.write_text('{"path": "/a.mp4"}\nnot json\n{"path": "/b.mp4"}\n')
     with pytest.raises(ValueError, match="line 2: not a JSON record"):
         CaptionStore(out)
