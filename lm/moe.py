@@ -16,8 +16,9 @@ class Experts(nn.Module):
     gate_up_proj [E, 2I, H] (gate rows first, then up), down_proj [E, H, I].
     Tokens are grouped by expert, and only experts that received tokens are touched: one decode
     token reads K experts' weights, never all E. `grouped=True` runs each projection of all experts
-    as one grouped GEMM (`torch._grouped_mm`, no Python loop); `grouped=False` is the reference
-    loop over the experts that received tokens. Both give the same result.
+    as one grouped GEMM (`torch._grouped_mm`, no Python loop) when many experts are hit; the loop
+    over the experts that received tokens is the reference (`grouped=False`) and serves sparse
+    decode batches. Both give the same result.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, grouped: bool = True):
@@ -33,7 +34,9 @@ class Experts(nn.Module):
         order = torch.argsort(flat, stable=True)  # selections grouped by expert
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
         xs = x[order // top_k]  # [N*K, H], grouped by expert
-        ys = self._grouped(xs, counts) if self.grouped else self._loop(xs, counts)
+        # A grouped GEMM visits every expert; with few selections (decode) a loop over the hit ones is cheaper.
+        dense = xs.shape[0] * 4 >= self.gate_up_proj.shape[0]
+        ys = self._grouped(xs, counts) if self.grouped and dense else self._loop(xs, counts)
         per_choice = torch.empty_like(ys)
         per_choice[order] = ys  # back to [token, k] order; no scatter-add (slow with repeated indices)
         return torch.einsum("nkh,nk->nh", per_choice.view(n, top_k, -1), weights)

@@ -98,7 +98,7 @@ def test_moe_grouped_gemm_equals_reference_loop():
     experts = Experts(8, 32, 16)
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    x = torch.randn(13, 32)
+    x = torch.randn(13, 32)  # 39 selections of 8 experts: the grouped GEMM path
     chosen = torch.stack([torch.randperm(8)[:3] for _ in range(13)])
     chosen[:, 0] = 2  # one expert gets every token, others none
     weights = torch.rand(13, 3)
