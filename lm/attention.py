@@ -10,6 +10,7 @@ from .cache import Cache, KVSlot
 from .config import TextConfig
 from .norm import RMSNorm
 from .rotary import apply_partial_rotary
+from .linear import Linear
 
 
 def attention_mask_for(cache: Cache, num_tokens: int) -> torch.Tensor | None:
@@ -52,10 +53,10 @@ class GatedAttention(nn.Module):
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
         bias = config.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * d * 2, bias=bias)  # per head: [query | gate]
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.q_proj = Linear(h, self.num_heads * d * 2, bias=bias)  # per head: [query | gate]
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=bias)
         self.q_norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(d, eps=config.rms_norm_eps)
 

@@ -10,6 +10,7 @@ from .cache import LinearSlot
 from .config import TextConfig
 from .delta_rule import chunked_gated_delta_rule, gated_delta_step
 from .norm import GatedRMSNorm
+from .linear import Linear
 
 
 def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,16 +36,16 @@ class GatedDeltaNet(nn.Module):
         self.value_dim = self.num_v_heads * self.head_v_dim
         conv_dim = 2 * self.key_dim + self.value_dim
         h = config.hidden_size
-        self.in_proj_qkv = nn.Linear(h, conv_dim, bias=False)  # [q | k | v]
-        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
+        self.in_proj_qkv = Linear(h, conv_dim, bias=False)  # [q | k | v]
+        self.in_proj_z = Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = Linear(h, self.num_v_heads, bias=False)
+        self.in_proj_a = Linear(h, self.num_v_heads, bias=False)
         kernel = config.linear_conv_kernel_dim
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel, groups=conv_dim, bias=False, padding=kernel - 1)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.out_proj = Linear(self.value_dim, h, bias=False)
 
     def forward(self, x: torch.Tensor, slot: LinearSlot, real: torch.Tensor | None) -> torch.Tensor:
         """x [B, T, hidden]; `real` [B, T] bool marks non-padding tokens (None: all real)."""

@@ -9,6 +9,7 @@ from .attention import attention_mask_for
 from .cache import Cache
 from .config import TextConfig
 from .decoder import DecoderLayer
+from .linear import Linear
 from .norm import RMSNorm
 from .rotary import MRotaryEmbedding
 
@@ -46,7 +47,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = TextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:

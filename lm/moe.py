@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TextConfig
+from . import kernels
 from .mlp import SwiGLU
 
 
@@ -15,10 +16,10 @@ class Experts(nn.Module):
 
     gate_up_proj [E, 2I, H] (gate rows first, then up), down_proj [E, H, I].
     Tokens are grouped by expert, and only experts that received tokens are touched: one decode
-    token reads K experts' weights, never all E. `grouped=True` runs each projection of all experts
-    as one grouped GEMM (`torch._grouped_mm`, no Python loop) when many experts are hit; the loop
-    over the experts that received tokens is the reference (`grouped=False`) and serves sparse
-    decode batches. Both give the same result.
+    token reads K experts' weights, never all E. With `grouped=True` (the fast path) each projection
+    runs as one call for all experts: the CPU decode kernel when every expert has few rows, else a
+    grouped GEMM (`torch._grouped_mm`). `grouped=False` is the reference: a Python loop of `F.linear`
+    over the experts that received tokens. Both give the same result.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, grouped: bool = True):
@@ -34,19 +35,24 @@ class Experts(nn.Module):
         order = torch.argsort(flat, stable=True)  # selections grouped by expert
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
         xs = x[order // top_k]  # [N*K, H], grouped by expert
-        # A grouped GEMM visits every expert; with few selections (decode) a loop over the hit ones is cheaper.
-        dense = xs.shape[0] * 4 >= self.gate_up_proj.shape[0]
-        ys = self._grouped(xs, counts) if self.grouped and dense else self._loop(xs, counts)
+        ys = self._fast(xs, counts) if self.grouped else self._reference(xs, counts)
         per_choice = torch.empty_like(ys)
         per_choice[order] = ys  # back to [token, k] order; no scatter-add (slow with repeated indices)
         return torch.einsum("nkh,nk->nh", per_choice.view(n, top_k, -1), weights)
 
-    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _fast(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if xs.device.type == "cpu":
+            hit = counts.nonzero().squeeze(-1).tolist()
+            sizes = counts[hit].tolist()
+            gate_up = kernels.grouped_linear(xs, self.gate_up_proj, hit, sizes)
+            if gate_up is not None:  # decode: few rows per expert, bandwidth-bound
+                gate, up = gate_up.chunk(2, dim=-1)
+                return kernels.grouped_linear(F.silu(gate) * up, self.down_proj, hit, sizes)
         offsets = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
         gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
 
-    def _loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _reference(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         hit = counts.nonzero().squeeze(-1).tolist()
         ys = torch.empty_like(xs)
         start = 0
@@ -66,7 +72,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (expert ids [N, K], weights [N, K] in x's dtype)."""
-        probs = F.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)  # [N, E]
+        probs = F.softmax(kernels.linear(x, self.weight), dim=-1, dtype=torch.float32)  # [N, E]
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return experts, weights.to(x.dtype)

@@ -91,7 +91,7 @@ def test_rotary_matches_reference_with_distinct_rows():
     assert torch.equal(cos, cos_ref) and torch.equal(sin, sin_ref)
 
 
-def test_moe_grouped_gemm_equals_reference_loop():
+def test_moe_fast_path_equals_reference_loop():
     from lm.moe import Experts
 
     torch.manual_seed(1)

@@ -1,0 +1,21 @@
+"""Build (once; torch caches the build) and load the C++ CPU kernels beside this file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch.utils.cpp_extension import load
+
+SOURCE = Path(__file__).with_name("small_m_linear.cpp")
+
+
+def load_kernels():
+    """The compiled module; raises if no C++ compiler / ninja is available or the build fails."""
+    # -fopenmp: at::parallel_for is header code that parallelises only when OpenMP is on; the
+    # libgomp.so.1 torch already loaded serves it, so there is one OpenMP runtime.
+    return load(
+        name="qwen35_cpu_kernels",
+        sources=[str(SOURCE)],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+    )

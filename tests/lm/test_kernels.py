@@ -1,0 +1,61 @@
+"""The CPU decode kernels against `F.linear` (the reference), and the model with them on and off."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mm
+from lm import kernels
+from tests.conftest import rel_err
+
+
+@pytest.fixture
+def kernels_on(monkeypatch):
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    monkeypatch.setattr(kernels, "MIN_WEIGHT_ELEMENTS", 0)  # tiny test weights take the kernel too
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("shape", [(96, 64), (33, 70), (512, 1024)])  # K not a multiple of the vector width
+def test_small_m_linear_equals_f_linear(kernels_on, rows, shape):
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, shape[1], generator=g), torch.randn(*shape, generator=g), torch.randn(shape[0])
+    assert rel_err(kernels.linear(x, w, b), F.linear(x, w, b)) < 1e-5
+    x3 = torch.randn(1, rows, shape[1], generator=g)  # [B, T, K] inputs keep their leading shape
+    assert kernels.linear(x3, w).shape == (1, rows, shape[0])
+
+
+def test_grouped_linear_equals_per_expert_products(kernels_on):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 40, 48, generator=g)
+    experts, sizes = [0, 3, 5], [2, 1, 4]
+    x = torch.randn(sum(sizes), 48, generator=g)
+    out = kernels.grouped_linear(x, w, experts, sizes)
+    ref = torch.cat([x[0:2] @ w[0].T, x[2:3] @ w[3].T, x[3:7] @ w[5].T])
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_kernels_are_skipped_when_switched_off_or_not_applicable(monkeypatch):
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "0")
+    assert kernels.grouped_linear(torch.randn(2, 8), torch.randn(3, 4, 8), [0], [2]) is None
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "maybe")
+    with pytest.raises(ValueError, match="QWEN35_CPU_KERNELS"):
+        kernels.mode()
+
+
+def test_decoding_with_kernels_equals_reference(checkpoints, monkeypatch):
+    _, path = checkpoints("moe_vl")
+    model = mm.load_model(path)
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(5))
+
+    def decode():
+        cache = model.lm.make_cache(2, 20)
+        with torch.no_grad():
+            return torch.cat([model.lm(ids[:, :8], cache=cache)] + [model.lm(ids[:, i : i + 1], cache=cache)
+                                                                  for i in range(8, 12)], 1)
+
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "0")
+    reference = decode()
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    monkeypatch.setattr(kernels, "MIN_WEIGHT_ELEMENTS", 0)
+    assert rel_err(decode(), reference) < 1e-5
