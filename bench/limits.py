@@ -20,9 +20,10 @@ def best_time(fn, repeats: int = 5, warmup: int = 1) -> float:
 
 
 def memory_read_bandwidth(gib: float = 1.0) -> float:
-    """Bytes/s of a streaming read (a sum over a buffer far larger than the caches)."""
-    x = torch.ones(int(gib * 2**30) // 4)
-    return x.numel() * 4 / best_time(lambda: x.sum())
+    """Bytes/s of a streaming read: a sum over random data far larger than the caches (random, so
+    that no page deduplication by the host can make the buffer smaller than it looks)."""
+    x = torch.randn(int(gib * 2**30) // 4)
+    return x.numel() * 4 / best_time(lambda: x.sum(), repeats=7)
 
 
 def matmul_flops(n: int = 2048) -> float:

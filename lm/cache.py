@@ -32,7 +32,7 @@ class KVSlot:
 
 
 class LinearSlot:
-    """Conv window `[B, conv_dim, kernel-1]` and float32 recurrent state `[B, Hv, Dk, Dv]` of one DeltaNet layer."""
+    """Conv window `[B, kernel-1, conv_dim]` and float32 recurrent state `[B, Hv, Dk, Dv]` of one DeltaNet layer."""
 
     def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor):
         self.conv, self.recurrent = conv, recurrent
@@ -56,7 +56,7 @@ class Cache:
                 k = torch.zeros(kv_shape, device=device, dtype=dtype)
                 self.slots[i] = KVSlot(self, k, torch.zeros_like(k))
             else:
-                conv = torch.zeros(batch, conv_dim, config.linear_conv_kernel_dim - 1, device=device, dtype=dtype)
+                conv = torch.zeros(batch, config.linear_conv_kernel_dim - 1, conv_dim, device=device, dtype=dtype)
                 state = torch.zeros(state_shape, device=device, dtype=torch.float32)
                 self.slots[i] = LinearSlot(conv, state)
 

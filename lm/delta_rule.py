@@ -20,14 +20,18 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _prepare(q, k, v, g, beta):
-    """[B, T, H*, D] inputs -> float32 [B, Hv, T, D] with k/q heads repeated to the value heads."""
-    rep = v.shape[2] // k.shape[2]
-    if rep > 1:  # value head h reads key head h // rep
-        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))
-    q, k = l2norm(q), l2norm(k)
-    q = q * q.shape[-1] ** -0.5
-    return q, k, v, g.transpose(1, 2).float(), beta.transpose(1, 2).float()
+    """[B, T, H*, D] inputs -> contiguous float32 [B, Hv, T, D] (q, k unit-norm, q scaled by D^-1/2,
+    key heads repeated to the value heads: value head h reads key head h // rep); g, beta [B, Hv, T]."""
+    b, t, hk, d = k.shape
+    rep = v.shape[2] // hk
+    q = l2norm(q.float()) * d**-0.5
+    k = l2norm(k.float())
+
+    def heads(x):  # [B, T, Hk, D] -> [B, Hk * rep, T, D] in one copy
+        return x.permute(0, 2, 1, 3).unsqueeze(2).expand(b, hk, rep, t, d).reshape(b, hk * rep, t, d)
+
+    v = v.float().permute(0, 2, 1, 3).contiguous()
+    return heads(q), heads(k), v, g.float().transpose(1, 2).contiguous(), beta.float().transpose(1, 2).contiguous()
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,8 +93,10 @@ def chunked_gated_delta_rule(
     # Unit lower-triangular system (I + strictly_lower(beta_i k_i.k_j decay_ij)) solved once per chunk.
     system = (k_beta @ k.transpose(-1, -2)) * decay
     system = system.tril(-1) + torch.eye(chunk_size, device=q.device)
-    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * gamma.exp()[..., None], upper=False, unitriangular=True)
+    rhs = torch.cat([v * beta[..., None], k_beta * gamma.exp()[..., None]], dim=-1)
+    u, w = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split(
+        [v.shape[-1], k.shape[-1]], dim=-1
+    )
     intra = (q @ k.transpose(-1, -2)) * decay  # [B, H, N, C, C], causal incl. diagonal
     q_decayed = q * gamma.exp()[..., None]
     k_to_end = k * (gamma[..., -1:] - gamma).exp()[..., None]

@@ -14,17 +14,17 @@ from .linear import Linear
 
 
 def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + SiLU. x [B, C, T]; window [B, C, K-1] (previous inputs); weight [C, K].
+    """Depthwise causal conv + SiLU along time. x [B, T, C]; window [B, K-1, C] (the previous inputs);
+    weight [C, K]. Returns (out [B, T, C], new window [B, K-1, C]).
 
-    Returns (out [B, C, T], new window [B, C, K-1]).
+    Computed as K shifted multiply-adds in the [B, T, C] layout of the projections: no transposes.
     """
-    full = torch.cat([window, x], dim=-1)  # [B, C, K-1+T]
-    kernel = weight.shape[-1]
-    if x.shape[-1] == 1:  # one decode step: a dot product per channel
-        out = (full * weight).sum(-1, keepdim=True)
-    else:
-        out = F.conv1d(full, weight[:, None, :], groups=weight.shape[0])
-    return F.silu(out), full[..., full.shape[-1] - (kernel - 1) :].clone()
+    t, kernel = x.shape[1], weight.shape[1]
+    full = torch.cat([window, x], dim=1)  # [B, K-1+T, C]
+    out = full[:, :t] * weight[:, 0]
+    for j in range(1, kernel):
+        out.addcmul_(full[:, j : j + t], weight[:, j])
+    return F.silu(out), full[:, t:].clone()
 
 
 class GatedDeltaNet(nn.Module):
@@ -52,8 +52,8 @@ class GatedDeltaNet(nn.Module):
         b, t, _ = x.shape
         if real is not None:  # padding contributes nothing to the conv window or the state
             x = x * real[..., None].to(x.dtype)
-        qkv, slot.conv = causal_conv(self.in_proj_qkv(x).transpose(1, 2), slot.conv, self.conv1d.weight[:, 0])
-        q, k, v = qkv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        qkv, slot.conv = causal_conv(self.in_proj_qkv(x), slot.conv, self.conv1d.weight[:, 0])
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(b, t, self.num_k_heads, self.head_k_dim)
         k = k.reshape(b, t, self.num_k_heads, self.head_k_dim)
         v = v.reshape(b, t, self.num_v_heads, self.head_v_dim)
