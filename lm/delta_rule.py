@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import kernels
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
@@ -62,8 +64,12 @@ def gated_delta_step(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tenso
     """
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)  # [B, Hv, 1, D], g / beta [B, Hv, 1]
+    decay = g.exp()
+    fused = kernels.gated_delta_step(state, q[:, :, 0], k[:, :, 0], v[:, :, 0], decay[..., 0], beta[..., 0])
+    if fused is not None:  # CPU: one pass over the state
+        return fused[:, None].to(dtype), state
     b, h, _, dk = k.shape
-    decay = g.exp()[..., None]  # [B, Hv, 1, 1]
+    decay = decay[..., None]  # [B, Hv, 1, 1]
     read = torch.cat([q, k], dim=2) @ state  # [B, Hv, 2, Dv], one pass over the state
     delta = (v - decay * read[:, :, 1:]) * beta[..., None]  # [B, Hv, 1, Dv]
     out = decay * read[:, :, :1] + (q * k).sum(-1, keepdim=True) * delta

@@ -1,4 +1,4 @@
-"""RMS norms of the Qwen3.5 decoder."""
+"""RMS norms of the Qwen3.5 decoder (computed in float32, as the reference does)."""
 
 import torch
 import torch.nn.functional as F
@@ -14,9 +14,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        scale = 1.0 + self.weight.float()
+        return F.rms_norm(x.float(), scale.shape, scale, self.eps).type_as(x)
 
 
 class GatedRMSNorm(nn.Module):
@@ -29,7 +28,5 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(dtype)
+        h = self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(dtype)
         return (h * F.silu(z.float())).to(dtype)

@@ -81,3 +81,18 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, experts: list[int], si
         return None
     offsets = torch.tensor([0, *sizes]).cumsum(0)
     return k.grouped_linear(x.contiguous(), weight, torch.tensor(experts), offsets)
+
+
+def gated_delta_step(state, q, k, v, decay, beta) -> torch.Tensor | None:
+    """In-place decode step of the gated delta rule (see delta_rule.gated_delta_step) with one pass
+    over the state; None when the kernel does not apply. Shapes: state [B, H, Dk, Dv]; q, k
+    [B, H, Dk]; v [B, H, Dv]; decay, beta [B, H]."""
+    b, h, dk, dv = state.shape
+    if state.device.type != "cpu" or state.dtype != torch.float32 or dv % 16 or not state.is_contiguous():
+        return None
+    if (kernel := _kernels()) is None:
+        return None
+    flat = (lambda t, *shape: t.reshape(*shape).contiguous())
+    out = kernel.gated_delta_step(state.view(b * h, dk, dv), flat(q, b * h, dk), flat(k, b * h, dk),
+                                  flat(v, b * h, dv), flat(decay, b * h), flat(beta, b * h))
+    return out.view(b, h, dv)

@@ -128,7 +128,53 @@ torch::Tensor grouped_linear(torch::Tensor x, torch::Tensor W, torch::Tensor exp
   return y;
 }
 
+// One gated-delta-rule decode step for every (row, value head), updating the float32 state in place
+// with one read and one write of it (the reference form needs five passes):
+//   state [BH, Dk, Dv]; q, k [BH, Dk] (normalised, q scaled); v [BH, Dv]; decay, beta [BH] -> out [BH, Dv]
+//   kv = S^T k, qs = S^T q (old state); delta = beta (v - decay kv); out = decay qs + (q.k) delta;
+//   S <- decay S + k delta^T.
+// Each block of V value columns is reduced over Dk, then updated while it is still in L1.
+torch::Tensor gated_delta_step(torch::Tensor state, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                               torch::Tensor decay, torch::Tensor beta) {
+  for (auto* t : {&state, &q, &k, &v, &decay, &beta}) check(*t, "gated delta tensors");
+  TORCH_CHECK(state.is_contiguous() && q.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
+                  decay.is_contiguous() && beta.is_contiguous(), "gated delta tensors must be contiguous");
+  const int64_t BH = state.size(0), Dk = state.size(1), Dv = state.size(2);
+  TORCH_CHECK(Dv % V == 0, "value head dim must be a multiple of ", V);
+  auto out = torch::empty({BH, Dv}, v.options());
+  float* S = state.data_ptr<float>();
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *dp = decay.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t blocks = Dv / V;
+  at::parallel_for(0, BH * blocks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t h = t / blocks, c = (t % blocks) * V;
+      float* s = S + h * Dk * Dv + c;
+      const float *qh = qp + h * Dk, *kh = kp + h * Dk;
+      vec kv{}, qs{};
+      float qk = 0.f;
+      for (int64_t i = 0; i < Dk; ++i) {
+        const vec row = load(s + i * Dv);
+        kv += row * kh[i];
+        qs += row * qh[i];
+        qk += qh[i] * kh[i];
+      }
+      const float d = dp[h], b = bp[h];
+      const vec delta = (load(vp + h * Dv + c) - kv * d) * b;
+      const vec o = qs * d + delta * qk;
+      __builtin_memcpy(op + h * Dv + c, &o, sizeof(vec));
+      for (int64_t i = 0; i < Dk; ++i) {
+        const vec row = load(s + i * Dv) * d + delta * kh[i];
+        __builtin_memcpy(s + i * Dv, &row, sizeof(vec));
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gated_delta_step", &gated_delta_step, "in-place gated delta rule decode step (float32, CPU)");
   m.def("small_m_linear", &small_m_linear, "y = x W^T for few rows of x (float32, CPU)");
   m.def("grouped_linear", &grouped_linear, "per-expert y = x W[e]^T over rows grouped by expert");
 }

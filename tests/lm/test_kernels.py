@@ -59,3 +59,19 @@ def test_decoding_with_kernels_equals_reference(checkpoints, monkeypatch):
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
     monkeypatch.setattr(kernels, "MIN_WEIGHT_ELEMENTS", 0)
     assert rel_err(decode(), reference) < 1e-5
+
+
+def test_fused_delta_step_equals_reference(monkeypatch):
+    from lm.delta_rule import gated_delta_step, recurrent_gated_delta_rule
+
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(3, 1, 2, 32, generator=g), torch.randn(3, 1, 2, 32, generator=g)
+    v = torch.randn(3, 1, 4, 48, generator=g)
+    decay, beta = -torch.rand(3, 1, 4, generator=g), torch.rand(3, 1, 4, generator=g)
+    state = torch.randn(3, 4, 32, 48, generator=g)
+    ref_out, ref_state = recurrent_gated_delta_rule(q, k, v, decay, beta, state)
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    live = state.clone()
+    out, new = gated_delta_step(q, k, v, decay, beta, live)
+    assert new is live
+    assert rel_err(out, ref_out) < 1e-5 and rel_err(live, ref_state) < 1e-5
