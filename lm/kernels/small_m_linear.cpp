@@ -3,7 +3,7 @@
 // Decode reads every weight once per step, so these products are limited by memory bandwidth, not
 // FLOPs, and MKL's GEMV/GEMM for such shapes uses one core (M = 1) or runs far below bandwidth
 // (M = 2..8). Weight rows are split into blocks processed in parallel; each row is streamed from
-// memory once and reused from L1 for all rows of x (groups of up to 4). Inner products use
+// memory once and reused from L1 for all rows of x (groups of up to 8). Inner products use
 // the compiler's vector extensions (AVX2 / AVX-512 / NEON with -march=native) and prefetch the
 // weight stream ahead, which alone is worth ~30% of bandwidth here.
 //
@@ -18,10 +18,14 @@ namespace {
 constexpr int V = 16;  // floats per vector
 typedef float vec __attribute__((vector_size(V * sizeof(float))));
 
-inline float hsum(vec v) {
-  float s = 0.f;
-  for (int i = 0; i < V; ++i) s += v[i];
-  return s;
+typedef float half_vec __attribute__((vector_size(V / 2 * sizeof(float))));
+typedef float quarter_vec __attribute__((vector_size(V / 4 * sizeof(float))));
+
+inline float hsum(vec v) {  // tree reduction: 16 -> 8 -> 4 lanes, then scalar
+  const half_vec h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const quarter_vec q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[1]) + (q[2] + q[3]);
 }
 
 constexpr int64_t PREFETCH = 1024;  // floats ahead of the current position (4 KiB)
@@ -32,42 +36,49 @@ inline vec load(const float* p) {
   return v;
 }
 
-// y[r, n] = x[r] . w for r < R (R <= 4): one weight row streamed once (prefetched ahead), two
+// y[r, n] = x[r] . w for r < R (R <= 8): one weight row streamed once (prefetched ahead), with
 // independent accumulator chains per x row.
 template <int R>
 inline void dot_row(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
-  vec a[R][2];
-  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = vec{};
+  constexpr int C = R <= 4 ? 2 : 1;  // accumulator chains per x row: at most 8 accumulators in flight
+  vec a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = vec{};
   int64_t k = 0;
-  for (; k + 2 * V <= K; k += 2 * V) {
+  for (; k + C * V <= K; k += C * V) {
     __builtin_prefetch(w + k + PREFETCH, 0, 0);
-    const vec w0 = load(w + k), w1 = load(w + k + V);
-    for (int r = 0; r < R; ++r) {
-      a[r][0] += load(x + r * ldx + k) * w0;
-      a[r][1] += load(x + r * ldx + k + V) * w1;
+    for (int c = 0; c < C; ++c) {
+      const vec wc = load(w + k + c * V);
+      for (int r = 0; r < R; ++r) a[r][c] += load(x + r * ldx + k + c * V) * wc;
     }
   }
   for (int r = 0; r < R; ++r) {
-    float s = hsum(a[r][0] + a[r][1]);
+    vec t = a[r][0];
+    for (int c = 1; c < C; ++c) t += a[r][c];
+    float s = hsum(t);
     for (int64_t j = k; j < K; ++j) s += x[r * ldx + j] * w[j];
     y[r * ldy] = s;
   }
 }
 
 // Rows [0, M) of x times weight rows [n0, n1) of W -> y[:, n0:n1]. Each weight row comes from memory
-// once; groups of x rows after the first read it again from L1.
+// once; groups of x rows after the first (M > 8) read it again from L1.
 void block(const float* x, int64_t M, int64_t ldx, const float* W, int64_t K, int64_t n0, int64_t n1, float* y,
            int64_t ldy) {
   for (int64_t n = n0; n < n1; ++n) {
     const float* w = W + n * K;
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
       const float* xm = x + m0 * ldx;
       float* ym = y + m0 * ldy + n;
-      switch (std::min<int64_t>(4, M - m0)) {
+      switch (std::min<int64_t>(8, M - m0)) {
         case 1: dot_row<1>(xm, ldx, w, K, ym, ldy); break;
         case 2: dot_row<2>(xm, ldx, w, K, ym, ldy); break;
         case 3: dot_row<3>(xm, ldx, w, K, ym, ldy); break;
-        default: dot_row<4>(xm, ldx, w, K, ym, ldy); break;
+        case 4: dot_row<4>(xm, ldx, w, K, ym, ldy); break;
+        case 5: dot_row<5>(xm, ldx, w, K, ym, ldy); break;
+        case 6: dot_row<6>(xm, ldx, w, K, ym, ldy); break;
+        case 7: dot_row<7>(xm, ldx, w, K, ym, ldy); break;
+        default: dot_row<8>(xm, ldx, w, K, ym, ldy); break;
       }
     }
   }
