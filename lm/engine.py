@@ -36,7 +36,7 @@ def stream_generate(
     inputs_embeds: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     eos_token_ids: tuple[int, ...] = (),
-    prefill_chunk: int = 2048,
+    prefill_chunk: int = 1024,
     max_len: int | None = None,
     stop_when: Callable[[int, list[int]], bool] | None = None,
 ) -> Iterator[TokenEvent]:

@@ -36,8 +36,11 @@ class Experts(nn.Module):
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
         xs = x[order // top_k]  # [N*K, H], grouped by expert
         ys = self._fast(xs, counts) if self.grouped else self._reference(xs, counts)
-        per_choice = torch.empty_like(ys)
-        per_choice[order] = ys  # back to [token, k] order; no scatter-add (slow with repeated indices)
+        if n > 64:  # prefill: weight in place and add into the few token rows (no [N*K, H] buffer)
+            ys *= weights.reshape(-1)[order, None]
+            return torch.zeros_like(x).index_add_(0, order // top_k, ys)
+        per_choice = torch.empty_like(ys)  # decode: scatter-add with repeated rows is slow on CPU
+        per_choice[order] = ys
         return torch.einsum("nkh,nk->nh", per_choice.view(n, top_k, -1), weights)
 
     def _fast(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
