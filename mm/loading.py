@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from lm import CheckpointReader, WeightError, load_lm_weights
+from lm.hugepages import advise_huge_pages
 from vision import load_vision_weights
 
 from .config import ModelConfig, read_config_json
@@ -35,6 +36,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     with torch.device("meta"):
         model = VLModel(config)
     model = model.to(dtype=dtype).to_empty(device=device)
+    advise_huge_pages(model.parameters())  # before the first write: decode streams these pages
     model.lm.init_buffers()
     model.lm.tie_weights()
     used = load_lm_weights(model.lm, reader)

@@ -141,3 +141,13 @@ def test_wrong_checkpoint_for_config_is_refused(checkpoints, tmp_path):
     shutil.copy(moe / "config.json", ckpt / "config.json")
     with pytest.raises(WeightError, match="mlp"):
         mm.load_model(ckpt)
+
+
+def test_huge_page_advice_marks_whole_pages_inside_large_tensors():
+    from lm.hugepages import HUGE_PAGE, advise_huge_pages
+
+    big, small = torch.empty(3 * HUGE_PAGE // 4 + 1000), torch.empty(1000)
+    marked = advise_huge_pages([big, small])
+    start, end = big.data_ptr(), big.data_ptr() + big.numel() * 4
+    whole_pages = end // HUGE_PAGE - (start + HUGE_PAGE - 1) // HUGE_PAGE
+    assert marked == whole_pages * HUGE_PAGE  # only the big tensor, only whole pages inside it
