@@ -135,16 +135,12 @@ _REFERENCE_PREPROCESSOR_CONFIG = {
 }
 """preprocessor_config.json of Qwen3.5-35B-A3B (checkpoints.md 3a, /work/shared/reference)."""
 _REFERENCE_VIDEO_PREPROCESSOR_CONFIG = {
+    **{k: v for k, v in _REFERENCE_PREPROCESSOR_CONFIG.items() if k != "image_processor_type"},
     "size": {"longest_edge": 25165824, "shortest_edge": 4096},
-    "patch_size": 16,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
-    "processor_class": "Qwen3VLProcessor",
     "video_processor_type": "Qwen3VLVideoProcessor",
 }
-"""video_preprocessor_config.json of Qwen3.5-35B-A3B (checkpoints.md 3b, /work/shared/reference)."""
+"""video_preprocessor_config.json of Qwen3.5-35B-A3B (checkpoints.md 3b): the image one with its own
+pixel budget and processor type, keys in the same order as the published file."""
 
 
 def _bytes_to_unicode() -> list[tuple[int, str]]:

@@ -7,7 +7,7 @@
     model.X                 (CausalLM checkpoints) -> model.X
     lm_head.weight                                  -> lm_head.weight (absent when embeddings are tied)
     ...experts.{e}.{gate,up,down}_proj.weight       -> stacked into experts.gate_up_proj / down_proj
-    mtp.*                                           -> skipped (multi-token prediction is not used)
+    mtp.*                                           -> not the LM's: mm.load_model skips it (MTP unused)
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 INDEX_FILE = "model.safetensors.index.json"
-MTP_PREFIX = "mtp."
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -172,8 +171,3 @@ def _from_generation_config(config: dict) -> dict:
     if config.get("max_new_tokens"):
         values["max_new_tokens"] = int(config["max_new_tokens"])
     return values
-
-
-def replace_params(params: SamplingParams, **changes) -> SamplingParams:
-    """A copy of `params` with some fields changed (None values are ignored)."""
-    return dataclasses.replace(params, **{k: v for k, v in changes.items() if v is not None})

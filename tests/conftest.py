@@ -37,3 +37,20 @@ def checkpoints(tmp_path_factory) -> _Checkpoints:
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """max |ours - ref| / max |ref|."""
     return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+@pytest.fixture(scope="session")
+def tokenizer_checkpoint(tmp_path_factory):
+    """A directory with the small real tokenizer, chat template and processor configs (no weights)."""
+    from app.tokenizer_files import write_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    write_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_checkpoint):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_checkpoint)

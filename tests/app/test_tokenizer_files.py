@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 from transformers import AutoProcessor, AutoTokenizer, Qwen3VLProcessor
 
 from app.tokenizer_files import MODEL_VOCAB_SIZE, TOKENIZER_SPECIAL_TOKENS, learn_merges, write_tokenizer
@@ -15,20 +14,8 @@ FILES = ["chat_template.jinja", "preprocessor_config.json", "tokenizer.json", "t
          "video_preprocessor_config.json"]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tokenizer")
-    write_tokenizer(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tokenizer(checkpoint):
-    return AutoTokenizer.from_pretrained(checkpoint)
-
-
-def test_writes_the_checkpoint_files(checkpoint):
-    assert sorted(p.name for p in checkpoint.iterdir()) == FILES
+def test_writes_the_checkpoint_files(tokenizer_checkpoint):
+    assert sorted(p.name for p in tokenizer_checkpoint.iterdir()) == FILES
 
 
 def test_special_tokens_have_their_real_ids(tokenizer):
@@ -63,9 +50,9 @@ def test_special_tokens_split_text_and_think_tags_are_not_special(tokenizer):
     assert tokenizer.decode(ids, skip_special_tokens=True) == "user\nHi\n<think>\n\n</think>\n\n"
 
 
-def test_checkpoint_config_picks_the_qwen3_5_tokenizer_with_the_same_ids(checkpoint, tokenizer, tmp_path):
+def test_checkpoint_config_picks_the_qwen3_5_tokenizer_with_the_same_ids(tokenizer_checkpoint, tokenizer, tmp_path):
     for f in FILES:
-        (tmp_path / f).write_bytes((checkpoint / f).read_bytes())
+        (tmp_path / f).write_bytes((tokenizer_checkpoint / f).read_bytes())
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe"}))
     qwen35 = AutoTokenizer.from_pretrained(tmp_path)
     assert type(qwen35).__name__ == "Qwen3_5Tokenizer"
@@ -73,23 +60,23 @@ def test_checkpoint_config_picks_the_qwen3_5_tokenizer_with_the_same_ids(checkpo
     assert qwen35(text)["input_ids"] == tokenizer(text)["input_ids"]
 
 
-def test_transformers_processor_loads(checkpoint):
-    processor = AutoProcessor.from_pretrained(checkpoint)
+def test_transformers_processor_loads(tokenizer_checkpoint):
+    processor = AutoProcessor.from_pretrained(tokenizer_checkpoint)
     assert isinstance(processor, Qwen3VLProcessor)
     assert (processor.image_token_id, processor.video_token_id) == (248056, 248057)
     assert (processor.vision_start_token_id, processor.vision_end_token_id) == (248053, 248054)
-    assert processor.chat_template == (checkpoint / "chat_template.jinja").read_text()
+    assert processor.chat_template == (tokenizer_checkpoint / "chat_template.jinja").read_text()
 
 
-def test_processor_configs_are_the_reference_files(checkpoint):
+def test_processor_configs_are_the_reference_files(tokenizer_checkpoint):
     for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
-        assert (checkpoint / name).read_bytes() == (REFERENCE / name).read_bytes(), name
+        assert (tokenizer_checkpoint / name).read_bytes() == (REFERENCE / name).read_bytes(), name
 
 
-def test_output_is_deterministic(checkpoint, tmp_path):
+def test_output_is_deterministic(tokenizer_checkpoint, tmp_path):
     write_tokenizer(tmp_path)
     for name in FILES:
-        assert (tmp_path / name).read_bytes() == (checkpoint / name).read_bytes(), name
+        assert (tmp_path / name).read_bytes() == (tokenizer_checkpoint / name).read_bytes(), name
 
 
 def test_merges_are_learned_most_frequent_first():

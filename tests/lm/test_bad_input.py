@@ -25,22 +25,24 @@ def test_invalid_json(tmp_path):
         mm.load_model(tmp_path)
 
 
-def test_unsupported_model_type(checkpoints, tmp_path):
+def _with_config_change(checkpoints, tmp_path, change):
+    """A copy of the dense text checkpoint whose config.json is edited by `change(cfg)`."""
     _, path = checkpoints("dense_text")
     ckpt = shutil.copytree(path, tmp_path / "c")
     cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["model_type"] = "llama"
+    change(cfg)
     (ckpt / "config.json").write_text(json.dumps(cfg))
+    return ckpt
+
+
+def test_unsupported_model_type(checkpoints, tmp_path):
+    ckpt = _with_config_change(checkpoints, tmp_path, lambda cfg: cfg.update(model_type="llama"))
     with pytest.raises(ConfigError, match="unsupported model_type 'llama'"):
         mm.load_model(ckpt)
 
 
 def test_unsupported_rope_type(checkpoints, tmp_path):
-    _, path = checkpoints("dense_text")
-    ckpt = shutil.copytree(path, tmp_path / "c")
-    cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["rope_parameters"]["rope_type"] = "yarn"
-    (ckpt / "config.json").write_text(json.dumps(cfg))
+    ckpt = _with_config_change(checkpoints, tmp_path, lambda cfg: cfg["rope_parameters"].update(rope_type="yarn"))
     with pytest.raises(ConfigError, match="rope_type 'yarn'"):
         mm.load_model(ckpt)
 

@@ -1,6 +1,5 @@
 """Checkpoint layouts (save_pretrained, fused and per-expert experts, shards, tied) and weight errors."""
 
-import json
 import re
 import shutil
 

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
 
-from app.tokenizer_files import write_tokenizer
 from mm.chat import DEFAULT_CHAT_TEMPLATE_PATH, collect_media, load_chat_template, render, split_thinking
 
 GEN_THINK = "<|im_start|>assistant\n<think>\n"
@@ -13,20 +11,8 @@ GEN_NO_THINK = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("chat")
-    write_tokenizer(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tokenizer(checkpoint):
-    return AutoTokenizer.from_pretrained(checkpoint)
-
-
-@pytest.fixture(scope="module")
-def show(tokenizer, checkpoint):
-    template = load_chat_template(checkpoint)
+def show(tokenizer, tokenizer_checkpoint):
+    template = load_chat_template(tokenizer_checkpoint)
 
     def show(conversation, add_generation_prompt=True, enable_thinking=None):
         messages, _ = collect_media(conversation, 0)
@@ -40,8 +26,8 @@ def user(content):
     return {"role": "user", "content": content}
 
 
-def test_checkpoint_template_is_the_stored_official_one(checkpoint):
-    assert load_chat_template(checkpoint) == DEFAULT_CHAT_TEMPLATE_PATH.read_text()
+def test_checkpoint_template_is_the_stored_official_one(tokenizer_checkpoint):
+    assert load_chat_template(tokenizer_checkpoint) == DEFAULT_CHAT_TEMPLATE_PATH.read_text()
 
 
 def test_template_from_tokenizer_config(tmp_path):
