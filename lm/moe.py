@@ -16,10 +16,11 @@ class Experts(nn.Module):
 
     gate_up_proj [E, 2I, H] (gate rows first, then up), down_proj [E, H, I].
     Tokens are grouped by expert, and only experts that received tokens are touched: one decode
-    token reads K experts' weights, never all E. With `grouped=True` (the fast path) each projection
-    runs as one call for all experts: the CPU decode kernel when every expert has few rows, else a
-    grouped GEMM (`torch._grouped_mm`). `grouped=False` is the reference: a Python loop of `F.linear`
-    over the experts that received tokens. Both give the same result.
+    token reads K experts' weights, never all E. With `grouped=True` (the fast path, on CPU) each
+    projection runs as one call for all experts: the decode kernel when every expert has few rows,
+    else a grouped GEMM (`torch._grouped_mm`). The reference (`grouped=False`, and any other
+    device until the grouped paths are tested there) loops `F.linear` over the experts that
+    received tokens. Both give the same result.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, grouped: bool = True):
@@ -44,13 +45,14 @@ class Experts(nn.Module):
         return torch.einsum("nkh,nk->nh", per_choice.view(n, top_k, -1), weights)
 
     def _fast(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if xs.device.type == "cpu":
-            hit = counts.nonzero().squeeze(-1).tolist()
-            sizes = counts[hit].tolist()
-            gate_up = kernels.grouped_linear(xs, self.gate_up_proj, hit, sizes)
-            if gate_up is not None:  # decode: few rows per expert, bandwidth-bound
-                gate, up = gate_up.chunk(2, dim=-1)
-                return kernels.grouped_linear(F.silu(gate) * up, self.down_proj, hit, sizes)
+        if xs.device.type != "cpu":  # the grouped paths are built and tested for CPU only
+            return self._reference(xs, counts)
+        hit = counts.nonzero().squeeze(-1).tolist()
+        sizes = counts[hit].tolist()
+        gate_up = kernels.grouped_linear(xs, self.gate_up_proj, hit, sizes)
+        if gate_up is not None:  # decode: few rows per expert, bandwidth-bound
+            gate, up = gate_up.chunk(2, dim=-1)
+            return kernels.grouped_linear(F.silu(gate) * up, self.down_proj, hit, sizes)
         offsets = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
         gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
