@@ -120,7 +120,7 @@ def hf_prefill(hf, ids) -> float:
     return best_time(run, repeats=2, warmup=1)
 
 
-def ours_decode(model, ids, new_tokens: int, repeats: int = 2) -> float:
+def ours_decode(model, ids, new_tokens: int, repeats: int = 3) -> float:
     """Seconds per decode step (first token excluded: it comes from the prefill); best of `repeats`."""
     params = SamplingParams(max_new_tokens=new_tokens)
     best = float("inf")
@@ -133,7 +133,7 @@ def ours_decode(model, ids, new_tokens: int, repeats: int = 2) -> float:
     return best
 
 
-def hf_decode(hf, ids, new_tokens: int, repeats: int = 2) -> float:
+def hf_decode(hf, ids, new_tokens: int, repeats: int = 3) -> float:
     def gen(n):
         start = time.perf_counter()
         with torch.no_grad():
@@ -167,7 +167,6 @@ def main() -> None:
         hf, model = build(Path(tmp))
     prompt, long_prompt, new = (256, 1024, 32) if args.quick else (2048, 8192, 128)
     vocab = model.config.text.vocab_size
-    ours_decode(model, torch.randint(0, vocab, (1, 16)), 8)  # warm-up: kernel load, first touches
     rows = []
 
     ids = torch.randint(0, vocab, (1, prompt))
@@ -179,6 +178,9 @@ def main() -> None:
 
     for batch in (1, 8):
         ids = torch.randint(0, vocab, (batch, 32))
+        ours_decode(model, ids, new, repeats=1)  # warm-up of each configuration, for both engines
+        if not args.skip_hf:
+            hf_decode(hf, ids, 8, repeats=1)
         counter = ExpertCounter(model)
         step = ours_decode(model, ids, new)
         counter.close()
