@@ -144,16 +144,19 @@ def hf_decode(hf, ids, new_tokens: int, repeats: int = 3) -> float:
 
 
 class Limits:
-    """The machine's limits, re-measured between benchmarks (this machine's speed drifts); the best
-    value seen is used, which makes the reported share of the limit conservative."""
+    """The machine's limits. This machine's speed drifts (its streaming read rate swings between
+    ~40 and ~75 GB/s from one second to the next), so each figure is related to the limits measured
+    right before and right after it (the better of the two, which keeps our share conservative)."""
 
     def __init__(self):
-        self.bandwidth, self.flops = 0.0, 0.0
-        self.update()
+        self.bandwidth, self.flops = memory_read_bandwidth(), matmul_flops()
 
-    def update(self) -> None:
-        self.bandwidth = max(self.bandwidth, memory_read_bandwidth())
-        self.flops = max(self.flops, matmul_flops())
+    def around(self, measure):
+        """Run `measure()`; return (its result, best bandwidth, best FLOP/s of before and after)."""
+        before = (self.bandwidth, self.flops)
+        result = measure()
+        self.bandwidth, self.flops = memory_read_bandwidth(), matmul_flops()
+        return result, max(before[0], self.bandwidth), max(before[1], self.flops)
 
 
 def main() -> None:
@@ -170,11 +173,11 @@ def main() -> None:
     rows = []
 
     ids = torch.randint(0, vocab, (1, prompt))
-    ours = ours_prefill(model, ids)
+    ours, _, flops_s = limits.around(lambda: ours_prefill(model, ids))
     theirs = None if args.skip_hf else hf_prefill(hf, ids)
-    limits.update()
     flops = prefill_flops(model, prompt)
-    rows.append((f"prefill {prompt} tok (tok/s)", prompt / ours, theirs and prompt / theirs, flops / ours / limits.flops))
+    rows.append((f"prefill {prompt} tok (tok/s)", prompt / ours, theirs and prompt / theirs, flops / ours / flops_s))
+    print(f"  prefill: {flops / 1e12:.2f} TFLOP, matmul limit around it {flops_s / 1e9:.0f} GFLOP/s")
 
     for batch in (1, 8):
         ids = torch.randint(0, vocab, (batch, 32))
@@ -182,21 +185,19 @@ def main() -> None:
         if not args.skip_hf:
             hf_decode(hf, ids, 8, repeats=1)
         counter = ExpertCounter(model)
-        step = ours_decode(model, ids, new)
+        step, bandwidth, _ = limits.around(lambda: ours_decode(model, ids, new))
         counter.close()
         theirs = None if args.skip_hf else hf_decode(hf, ids, new)
-        limits.update()
-        limit = weight_bytes_per_step(model, counter.mean()) / limits.bandwidth
-        rows.append((f"decode batch {batch} (tok/s)", batch / step, theirs and batch / theirs, limit / step))
-        print(f"  batch {batch}: {counter.mean():.1f} experts/layer touched per step, "
-              f"{weight_bytes_per_step(model, counter.mean()) / 1e9:.2f} GB of weights per step")
+        touched = weight_bytes_per_step(model, counter.mean())
+        rows.append((f"decode batch {batch} (tok/s)", batch / step, theirs and batch / theirs, touched / bandwidth / step))
+        print(f"  batch {batch}: {counter.mean():.1f} experts/layer touched per step, {touched / 1e9:.2f} GB of "
+              f"weights per step = {touched / step / 1e9:.1f} GB/s; read bandwidth around it {bandwidth / 1e9:.1f} GB/s")
 
     short = ours_decode(model, torch.randint(0, vocab, (1, 128)), new)
     long = ours_decode(model, torch.randint(0, vocab, (1, long_prompt)), new, repeats=1)
     theirs = None if args.skip_hf else hf_decode(hf, torch.randint(0, vocab, (1, long_prompt)), new, repeats=1)
     rows.append((f"decode after {long_prompt} tok (tok/s)", 1 / long, theirs and 1 / theirs, None))
-    print(f"machine: {torch.get_num_threads()} threads, best read bandwidth {limits.bandwidth / 1e9:.1f} GB/s, "
-          f"best float32 matmul {limits.flops / 1e9:.0f} GFLOP/s (measured between the runs)")
+    print(f"machine: {torch.get_num_threads()} threads; limits measured around each figure (see above)")
     report(rows)
     print(f"decode per token after {long_prompt} vs after 128 prompt tokens: {long / short:.2f}x")
 

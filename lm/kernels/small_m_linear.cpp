@@ -46,7 +46,7 @@ inline void dot_row(const float* x, int64_t ldx, const float* w, int64_t K, floa
     for (int c = 0; c < C; ++c) a[r][c] = vec{};
   int64_t k = 0;
   for (; k + C * V <= K; k += C * V) {
-    __builtin_prefetch(w + k + PREFETCH, 0, 0);
+    for (int c = 0; c < C; ++c) __builtin_prefetch(w + k + c * V + PREFETCH, 0, 0);  // every line
     for (int c = 0; c < C; ++c) {
       const vec wc = load(w + k + c * V);
       for (int r = 0; r < R; ++r) a[r][c] += load(x + r * ldx + k + c * V) * wc;
