@@ -28,7 +28,7 @@ inline float hsum(vec v) {  // tree reduction: 16 -> 8 -> 4 lanes, then scalar
   return (q[0] + q[1]) + (q[2] + q[3]);
 }
 
-constexpr int64_t PREFETCH = 1024;  // floats ahead of the current position (4 KiB)
+constexpr int64_t PREFETCH = 2048;  // floats ahead of the current position (8 KiB)
 
 inline vec load(const float* p) {
   vec v;
@@ -40,13 +40,13 @@ inline vec load(const float* p) {
 // independent accumulator chains per x row.
 template <int R>
 inline void dot_row(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
-  constexpr int C = R <= 4 ? 2 : 1;  // accumulator chains per x row: at most 8 accumulators in flight
+  constexpr int C = R == 1 ? 4 : R <= 4 ? 2 : 1;  // accumulator chains per x row (at most 8 in flight)
   vec a[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = vec{};
   int64_t k = 0;
   for (; k + C * V <= K; k += C * V) {
-    for (int c = 0; c < C; ++c) __builtin_prefetch(w + k + c * V + PREFETCH, 0, 0);  // every line
+    for (int c = 0; c < C; ++c) __builtin_prefetch(w + k + c * V + PREFETCH, 0, 3);  // every line
     for (int c = 0; c < C; ++c) {
       const vec wc = load(w + k + c * V);
       for (int r = 0; r < R; ++r) a[r][c] += load(x + r * ldx + k + c * V) * wc;
