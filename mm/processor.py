@@ -22,7 +22,6 @@ import torch
 from transformers import AutoTokenizer
 
 import preprocess
-from preprocess.video_processor import VideoProcessor  # not re-exported by preprocess/__init__ (yet)
 from mm.chat import Conversation, MediaItem, collect_media, load_chat_template, render, split_thinking
 
 IMAGE_TOKEN = "<|image_pad|>"
@@ -96,7 +95,7 @@ class Processor:
     """Turns conversations into `ModelInputs` for a Qwen3.5 / Qwen3.6 checkpoint."""
 
     def __init__(self, tokenizer: Any, chat_template: str, image_processor: preprocess.ImageProcessor,
-                 video_processor: VideoProcessor):  # fmt: skip
+                 video_processor: preprocess.VideoProcessor):  # fmt: skip
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.image_processor = image_processor
@@ -112,7 +111,7 @@ class Processor:
         if not path.is_dir():
             raise FileNotFoundError(f"checkpoint directory not found: {path}")
         return cls(AutoTokenizer.from_pretrained(str(path)), load_chat_template(path),
-                   preprocess.ImageProcessor.from_pretrained(path), VideoProcessor.from_pretrained(path))  # fmt: skip
+                   preprocess.ImageProcessor.from_pretrained(path), preprocess.VideoProcessor.from_pretrained(path))  # fmt: skip
 
     def __call__(self, conversations: Conversation | Sequence[Conversation], *, enable_thinking: bool | None = None,
                  add_generation_prompt: bool = True, max_length: int | None = None) -> ModelInputs:  # fmt: skip
