@@ -6,11 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .cache import Cache, KVSlot
 from .config import TextConfig
+from .linear import Linear
 from .norm import RMSNorm
 from .rotary import apply_partial_rotary
-from .linear import Linear
 
 
 def attention_mask_for(cache: Cache, num_tokens: int) -> torch.Tensor | None:
@@ -69,10 +70,11 @@ class GatedAttention(nn.Module):
     ) -> torch.Tensor:
         b, t, _ = x.shape
         d = self.head_dim
-        q, gate = self.q_proj(x).view(b, t, self.num_heads, 2 * d).chunk(2, dim=-1)  # [B, T, H, D] each
+        q, k, v = self._project(x)
+        q, gate = q.view(b, t, self.num_heads, 2 * d).chunk(2, dim=-1)  # [B, T, H, D] each
         q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]
-        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, d)).transpose(1, 2)  # [B, KV, T, D]
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, d).transpose(1, 2)
+        k = self.k_norm(k.view(b, t, self.num_kv_heads, d)).transpose(1, 2)  # [B, KV, T, D]
+        v = v.view(b, t, self.num_kv_heads, d).transpose(1, 2)
         cos, sin = rope
         q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         k, v = slot.append(k, v)  # [B, KV, L, D]
@@ -84,3 +86,13 @@ class GatedAttention(nn.Module):
             )  # [B, H, T, D]
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * d)
         return self.o_proj(out * torch.sigmoid(gate.reshape(b, t, -1)))
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (with its gate half), k, v projections; on CPU decode rows as one kernel call."""
+        fused = kernels.multi_linear(x, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        if fused is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        for y, proj in zip(fused, (self.q_proj, self.k_proj, self.v_proj)):
+            if proj.bias is not None:
+                y += proj.bias
+        return tuple(fused)

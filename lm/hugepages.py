@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import sys
 
-
 MADV_HUGEPAGE = 14
 HUGE_PAGE = 2 << 20
 

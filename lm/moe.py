@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import TextConfig
 from . import kernels
+from .config import TextConfig
 from .mlp import SwiGLU
 
 
@@ -95,6 +95,13 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, H]
+        fused = kernels.moe_decode(  # decode on CPU: the whole block in one call
+            x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj, self.gate.top_k,
+            self.shared_expert.gate_proj.weight, self.shared_expert.up_proj.weight,
+            self.shared_expert.down_proj.weight, self.shared_expert_gate.weight,
+        ) if self.experts.grouped else None
+        if fused is not None:
+            return fused.view(shape)
         experts, weights = self.gate(x)
         out = self.experts(x, experts, weights)
         out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -1,4 +1,6 @@
-"""CPU fast paths for decoding: bandwidth-bound products of a few rows with large weights.
+"""CPU fast paths for decoding: bandwidth-bound products of a few rows with large weights, and
+whole decode-time blocks (a DeltaNet token step, a MoE block, RMS norms) fused into one call each,
+because at decode sizes the fixed cost of each tensor operation outweighs its arithmetic.
 
 One switch, the environment variable `QWEN35_CPU_KERNELS`:
     unset / "auto"  build the C++ kernels on first use (torch caches the build); if that fails
@@ -96,3 +98,53 @@ def gated_delta_step(state, q, k, v, decay, beta) -> torch.Tensor | None:
     out = kernel.gated_delta_step(state.view(b * h, dk, dv), flat(q, b * h, dk), flat(k, b * h, dk),
                                   flat(v, b * h, dv), flat(decay, b * h), flat(beta, b * h))
     return out.view(b, h, dv)
+
+
+def _fusable(*tensors: torch.Tensor):
+    """The kernel module when all tensors are float32 CPU tensors and the kernels are on, else None."""
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return None
+    return _kernels()
+
+
+def multi_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """`[F.linear(x, w) for w in weights]` in one parallel region (decode rows); None when n/a."""
+    rows = x.numel() // x.shape[-1]
+    if not 0 < rows <= MAX_ROWS or not all(w.is_contiguous() for w in weights) or (k := _fusable(x, *weights)) is None:
+        return None
+    ys = k.multi_linear(x.reshape(rows, x.shape[-1]).contiguous(), list(weights))
+    return [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor | None:
+    """`x / rms(x) * (offset + weight)` over the last dim in one pass; None when n/a."""
+    if x.numel() == 0 or x.stride(-1) != 1 or (k := _fusable(x, weight)) is None:
+        return None
+    try:
+        rows = x.view(-1, x.shape[-1])  # a view: strided rows (e.g. the query half of q_proj) are fine
+    except RuntimeError:
+        rows = x.reshape(-1, x.shape[-1])
+    return k.rms_norm(rows, weight.contiguous(), eps, offset).view(x.shape)
+
+
+def moe_decode(x, router, gate_up, down, top_k, shared_gate, shared_up, shared_down, shared_expert_gate):
+    """A sparse MoE block on a few rows x [N, H] in one call (router, top-k, experts, gated shared
+    expert; see moe_decode.cpp). Weights as in `lm.moe`. None when the kernel does not apply."""
+    weights = (router, gate_up, down, shared_gate, shared_up, shared_down, shared_expert_gate)
+    if x.shape[0] > MAX_ROWS or not all(w.is_contiguous() for w in weights) or (k := _fusable(x, *weights)) is None:
+        return None
+    return k.moe_decode(x.contiguous(), router, gate_up, down, top_k, shared_gate, shared_up, shared_down,
+                        shared_expert_gate)
+
+
+def gdn_decode(qkv, z, b, a, window, state, conv_weight, A_log, dt_bias, norm_weight, eps: float, num_k_heads: int):
+    """A Gated DeltaNet decode token from its input projections (qkv [B, C], z [B, Hv*Dv], b, a [B, Hv])
+    to the input of out_proj [B, Hv*Dv]: conv, q/k norms, gates, recurrence, gated RMSNorm (see
+    delta_step.cpp). Updates `window` [B, K-1, C] and `state` [B, Hv, Dk, Dv] in place. None when n/a."""
+    tensors = (qkv, z, b, a, window, state, conv_weight, A_log, dt_bias, norm_weight)
+    if state.shape[-1] % 16 or not all(t.is_contiguous() for t in tensors) or (k := _fusable(*tensors)) is None:
+        return None
+    rows = qkv.shape[0]
+    return k.gdn_decode(qkv.view(rows, -1), z.view(rows, -1), b.view(rows, -1), a.view(rows, -1), window,
+                        conv_weight.view(conv_weight.shape[0], -1), A_log, dt_bias, state, norm_weight, eps,
+                        num_k_heads)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from torch.utils.cpp_extension import load
 
-SOURCE = Path(__file__).with_name("small_m_linear.cpp")
+HERE = Path(__file__).parent
+SOURCES = sorted(str(p) for p in HERE.glob("*.cpp"))  # each kernel in its file; bindings.cpp names them
 
 
 def load_kernels():
@@ -15,7 +16,8 @@ def load_kernels():
     # libgomp.so.1 torch already loaded serves it, so there is one OpenMP runtime.
     return load(
         name="qwen35_cpu_kernels",
-        sources=[str(SOURCE)],
+        sources=SOURCES,
+        extra_include_paths=[str(HERE)],
         extra_cflags=["-O3", "-march=native", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
     )

@@ -75,3 +75,84 @@ def test_fused_delta_step_equals_reference(monkeypatch):
     out, new = gated_delta_step(q, k, v, decay, beta, live)
     assert new is live
     assert rel_err(out, ref_out) < 1e-5 and rel_err(live, ref_state) < 1e-5
+
+
+# ---------------------------------------------------------------- fused decode blocks against the reference path
+
+
+def _perturbed(module, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return module
+
+
+def _both_paths(monkeypatch, run):
+    """run() with the kernels switched off (reference), then on; the kernels must really be used."""
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "0")
+    reference = run()
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    return run(), reference
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_fused_moe_block_equals_reference(monkeypatch, rows):
+    from lm.config import TextConfig
+    from lm.moe import SparseMoeBlock
+    from tests import tiny
+
+    config = TextConfig.from_hf(tiny.text_config(True, num_experts=16, num_experts_per_tok=4))
+    block = _perturbed(SparseMoeBlock(config), rows)
+    x = torch.randn(rows, 1, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    assert kernels.moe_decode(x[:, 0], block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj, 4,
+                              block.shared_expert.gate_proj.weight, block.shared_expert.up_proj.weight,
+                              block.shared_expert.down_proj.weight, block.shared_expert_gate.weight) is not None
+    with torch.no_grad():
+        ours, reference = _both_paths(monkeypatch, lambda: block(x))
+    assert ours.shape == x.shape and rel_err(ours, reference) < 1e-5
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_fused_deltanet_decode_equals_reference(monkeypatch, rows):
+    from lm.cache import LinearSlot
+    from lm.config import TextConfig
+    from lm.gated_deltanet import GatedDeltaNet
+    from tests import tiny
+
+    config = TextConfig.from_hf(tiny.text_config(True, linear_value_head_dim=32))
+    layer = _perturbed(GatedDeltaNet(config), rows)
+    g = torch.Generator().manual_seed(2)
+    conv_dim = 2 * layer.key_dim + layer.value_dim
+    window = torch.randn(rows, config.linear_conv_kernel_dim - 1, conv_dim, generator=g)
+    state = torch.randn(rows, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, generator=g)
+    tokens = torch.randn(3, rows, 1, config.hidden_size, generator=g)
+
+    def run():  # three decode tokens: the window shift and state update carry over
+        slot = LinearSlot(window.clone(), state.clone())
+        with torch.no_grad():
+            outs = torch.cat([layer(x, slot, None) for x in tokens], 1)
+        return outs, slot.conv, slot.recurrent
+
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    assert layer._decode_fused(tokens[0], LinearSlot(window.clone(), state.clone())) is not None
+    ours, reference = _both_paths(monkeypatch, run)
+    for a, b in zip(ours, reference):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_fused_rms_norm_and_multi_linear_equal_reference(monkeypatch):
+    from lm.norm import RMSNorm
+
+    norm = _perturbed(RMSNorm(64), 0)
+    x = torch.randn(2, 3, 4, 128)[..., :64]  # strided rows, as the query half of q_proj
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    assert kernels.rms_norm(x, norm.weight, norm.eps, 1.0) is not None
+    with torch.no_grad():
+        ours, reference = _both_paths(monkeypatch, lambda: norm(x))
+    assert rel_err(ours, reference) < 1e-6
+    ws = [torch.randn(n, 64) for n in (40, 3, 17)]
+    xs = torch.randn(3, 64)
+    for y, w in zip(kernels.multi_linear(xs, ws), ws):
+        assert rel_err(y, F.linear(xs, w)) < 1e-5

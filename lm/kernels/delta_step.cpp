@@ -1,0 +1,140 @@
+// Gated DeltaNet decode (one token per row), float32 state updated in place.
+//
+// gated_delta_step: the recurrence alone. gdn_decode: everything of a DeltaNet layer between its
+// input projections and its output projection (conv window update + SiLU, q/k L2 norms, the decay
+// and beta gates, the recurrence, the gated RMSNorm) in two parallel regions, instead of ~40 tensor
+// operations whose fixed costs dominate at decode sizes.
+//
+// Per (row, value head) with old state S [Dk, Dv], d = exp(g):
+//   kv = S^T k, qs = S^T q; delta = beta (v - d kv); out = d qs + (q.k) delta; S <- d S + k delta^T.
+// Each block of V value columns is reduced over Dk, then updated while it is still in L1: one read
+// and one write of the state (the reference form needs five passes).
+
+#include "vec.h"
+
+using namespace qwen35;
+
+namespace {
+
+// Value columns [c, c + V) of one head: s points at S[0, c] (row stride Dv).
+inline void delta_block(float* s, int64_t Dk, int64_t Dv, const float* q, const float* k, const float* v,
+                        float d, float beta, float qk, float* out) {
+  vec kv{}, qs{};
+  for (int64_t i = 0; i < Dk; ++i) {
+    const vec row = load(s + i * Dv);
+    kv += row * k[i];
+    qs += row * q[i];
+  }
+  const vec delta = (load(v) - kv * d) * beta;
+  store(out, qs * d + delta * qk);
+  for (int64_t i = 0; i < Dk; ++i) store(s + i * Dv, load(s + i * Dv) * d + delta * k[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// x <- x / sqrt(sum x^2 + eps) * scale
+inline void l2norm(float* x, int64_t n, float scale) {
+  const float r = scale / std::sqrt(dot(x, x, n) + 1e-6f);
+  for (int64_t i = 0; i < n; ++i) x[i] *= r;
+}
+
+inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
+
+}  // namespace
+
+//   state [BH, Dk, Dv]; q, k [BH, Dk] (normalised, q scaled); v [BH, Dv]; decay, beta [BH] -> out [BH, Dv]
+at::Tensor gated_delta_step(at::Tensor state, at::Tensor q, at::Tensor k, at::Tensor v,
+                               at::Tensor decay, at::Tensor beta) {
+  for (auto* t : {&state, &q, &k, &v, &decay, &beta}) check(*t, "gated delta tensors");
+  const int64_t BH = state.size(0), Dk = state.size(1), Dv = state.size(2);
+  TORCH_CHECK(Dv % V == 0, "value head dim must be a multiple of ", V);
+  auto out = at::empty({BH, Dv}, v.options());
+  float* S = state.data_ptr<float>();
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *dp = decay.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t blocks = Dv / V;
+  at::parallel_for(0, BH * blocks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t h = t / blocks, c = (t % blocks) * V;
+      const float *qh = qp + h * Dk, *kh = kp + h * Dk;
+      delta_block(S + h * Dk * Dv + c, Dk, Dv, qh, kh, vp + h * Dv + c, dp[h], bp[h], dot(qh, kh, Dk), op + h * Dv + c);
+    }
+  });
+  return out;
+}
+
+// One DeltaNet decode token per row, from the input projections to the input of out_proj.
+//   qkv [B, C] (C = 2 Hk Dk + Hv Dv, before the conv), z [B, Hv Dv], b, a [B, Hv];
+//   window [B, K-1, C] and state [B, Hv, Dk, Dv] are updated in place; conv_w [C, K];
+//   A_log, dt_bias [Hv]; norm_w [Dv] -> [B, Hv Dv] = gated_rms_norm(recurrence output, z).
+at::Tensor gdn_decode(at::Tensor qkv, at::Tensor z, at::Tensor b_in, at::Tensor a_in,
+                         at::Tensor window, at::Tensor conv_w, at::Tensor A_log, at::Tensor dt_bias,
+                         at::Tensor state, at::Tensor norm_w, double eps, int64_t num_k_heads) {
+  for (auto* t : {&qkv, &z, &b_in, &a_in, &window, &conv_w, &A_log, &dt_bias, &state, &norm_w})
+    check(*t, "DeltaNet decode tensors");
+  const int64_t B = qkv.size(0), C = qkv.size(1), Km1 = window.size(1);
+  const int64_t Hv = state.size(1), Dk = state.size(2), Dv = state.size(3), Hk = num_k_heads;
+  const int64_t Kd = Hk * Dk, Vd = Hv * Dv, rep = Hv / Hk;
+  TORCH_CHECK(C == 2 * Kd + Vd && window.size(0) == B && window.size(2) == C && conv_w.size(0) == C &&
+                  conv_w.numel() == C * (Km1 + 1) && z.numel() == B * Vd && state.size(0) == B &&
+                  Hv % Hk == 0 && Dv % V == 0 && norm_w.numel() == Dv,
+              "DeltaNet decode shapes do not match");
+  auto conv = at::empty({B, C}, qkv.options());
+  auto gates = at::empty({2, B, Hv}, qkv.options());  // decay, beta
+  auto out = at::empty({B, Vd}, qkv.options());
+  const float *xp = qkv.data_ptr<float>(), *wp = conv_w.data_ptr<float>(), *zp = z.data_ptr<float>();
+  float *win = window.data_ptr<float>(), *cp = conv.data_ptr<float>(), *S = state.data_ptr<float>();
+  float *decay = gates.data_ptr<float>(), *beta = decay + B * Hv, *op = out.data_ptr<float>();
+  const float *nw = norm_w.data_ptr<float>(), *bp = b_in.data_ptr<float>(), *ap = a_in.data_ptr<float>();
+  const float *A = A_log.data_ptr<float>(), *dtb = dt_bias.data_ptr<float>();
+
+  // 1. causal conv + SiLU, and the window shift (channels are independent)
+  constexpr int64_t CH = 512;
+  const int64_t cblocks = (C + CH - 1) / CH;
+  at::parallel_for(0, B * cblocks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = t / cblocks, c0 = (t % cblocks) * CH, c1 = std::min(C, c0 + CH);
+      float* w = win + r * Km1 * C;
+      for (int64_t c = c0; c < c1; ++c) {
+        const float* wc = wp + c * (Km1 + 1);
+        float acc = Km1 ? w[c] * wc[0] : xp[r * C + c] * wc[0];
+        for (int64_t j = 1; j < Km1; ++j) acc += w[j * C + c] * wc[j];
+        if (Km1) acc += xp[r * C + c] * wc[Km1];
+        cp[r * C + c] = silu(acc);
+        for (int64_t j = 0; j + 1 < Km1; ++j) w[j * C + c] = w[(j + 1) * C + c];
+        if (Km1) w[(Km1 - 1) * C + c] = xp[r * C + c];
+      }
+    }
+  });
+  // 2. q, k unit norms (q scaled by Dk^-1/2) and the gates: small, serial
+  for (int64_t r = 0; r < B; ++r) {
+    for (int64_t h = 0; h < Hk; ++h) {
+      l2norm(cp + r * C + h * Dk, Dk, 1.f / std::sqrt(float(Dk)));
+      l2norm(cp + r * C + Kd + h * Dk, Dk, 1.f);
+    }
+    for (int64_t h = 0; h < Hv; ++h) {
+      decay[r * Hv + h] = std::exp(-std::exp(A[h]) * softplus(ap[r * Hv + h] + dtb[h]));
+      beta[r * Hv + h] = sigmoid(bp[r * Hv + h]);
+    }
+  }
+  // 3. the recurrence and the gated RMSNorm, per (row, value head); value head h reads key head h / rep
+  at::parallel_for(0, B * Hv, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = t / Hv, h = t % Hv;
+      const float *q = cp + r * C + (h / rep) * Dk, *k = q + Kd, *v = cp + r * C + 2 * Kd + h * Dv;
+      const float qk = dot(q, k, Dk);
+      float* o = op + r * Vd + h * Dv;
+      float* s = S + t * Dk * Dv;
+      for (int64_t c = 0; c < Dv; c += V) delta_block(s + c, Dk, Dv, q, k, v + c, decay[t], beta[t], qk, o + c);
+      const float inv = 1.f / std::sqrt(dot(o, o, Dv) / float(Dv) + float(eps));
+      const float* zh = zp + r * Vd + h * Dv;
+      for (int64_t i = 0; i < Dv; ++i) o[i] = nw[i] * (o[i] * inv) * silu(zh[i]);
+    }
+  });
+  return out;
+}

@@ -1,0 +1,28 @@
+// RMS norms for decode-sized inputs in one pass per row (torch's CPU rms_norm is several kernels).
+
+#include "vec.h"
+
+using namespace qwen35;
+
+// x [R, D] (any row stride), w [D] -> [R, D] = x / rms(x) * (offset + w)
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps, double offset) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu() && x.scalar_type() == at::kFloat,
+              "x must be a float32 CPU [R, D] tensor with unit stride along D");
+  check(w, "norm weight");
+  const int64_t R = x.size(0), D = x.size(1), ldx = x.stride(0);
+  TORCH_CHECK(w.numel() == D, "norm weight must have D elements");
+  auto y = at::empty({R, D}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float off = float(offset);
+  at::parallel_for(0, R, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * ldx;
+      float ss = 0.f;
+      for (int64_t i = 0; i < D; ++i) ss += xr[i] * xr[i];
+      const float inv = 1.f / std::sqrt(ss / float(D) + float(eps));
+      for (int64_t i = 0; i < D; ++i) yp[r * D + i] = xr[i] * inv * (off + wp[i]);
+    }
+  });
+  return y;
+}

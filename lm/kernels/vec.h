@@ -1,0 +1,119 @@
+// Shared pieces of the CPU kernels: a 16-float vector type (AVX2 / AVX-512 / NEON through the
+// compiler's vector extensions with -march=native), the streaming dot products of a few x rows with
+// one weight row, and argument checks.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace qwen35 {
+
+constexpr int V = 16;  // floats per vector
+typedef float vec __attribute__((vector_size(V * sizeof(float))));
+typedef float half_vec __attribute__((vector_size(V / 2 * sizeof(float))));
+typedef float quarter_vec __attribute__((vector_size(V / 4 * sizeof(float))));
+
+inline float hsum(vec v) {  // tree reduction: 16 -> 8 -> 4 lanes, then scalar
+  const half_vec h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const quarter_vec q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[1]) + (q[2] + q[3]);
+}
+
+inline vec load(const float* p) {
+  vec v;
+  __builtin_memcpy(&v, p, sizeof(vec));
+  return v;
+}
+
+inline void store(float* p, vec v) { __builtin_memcpy(p, &v, sizeof(vec)); }
+
+constexpr int64_t PREFETCH = 2048;  // floats ahead of the current position (8 KiB)
+
+// y[r * ldy] = x[r] . w for r < R (R <= 8): one weight row streamed once (prefetched ahead), with
+// independent accumulator chains per x row.
+template <int R>
+inline void dot_row(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
+  constexpr int C = R == 1 ? 4 : R <= 4 ? 2 : 1;  // accumulator chains per x row (at most 8 in flight)
+  vec a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = vec{};
+  int64_t k = 0;
+  for (; k + C * V <= K; k += C * V) {
+    for (int c = 0; c < C; ++c) __builtin_prefetch(w + k + c * V + PREFETCH, 0, 3);  // every line
+    for (int c = 0; c < C; ++c) {
+      const vec wc = load(w + k + c * V);
+      for (int r = 0; r < R; ++r) a[r][c] += load(x + r * ldx + k + c * V) * wc;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    vec t = a[r][0];
+    for (int c = 1; c < C; ++c) t += a[r][c];
+    float s = hsum(t);
+    for (int64_t j = k; j < K; ++j) s += x[r * ldx + j] * w[j];
+    y[r * ldy] = s;
+  }
+}
+
+// Rows [0, M) of x times weight rows [n0, n1) of W [N, K] -> y[:, n0:n1] (row stride ldy). Each
+// weight row comes from memory once; groups of x rows after the first (M > 8) read it from L1.
+inline void block(const float* x, int64_t M, int64_t ldx, const float* W, int64_t K, int64_t n0, int64_t n1,
+                  float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* w = W + n * K;
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const float* xm = x + m0 * ldx;
+      float* ym = y + m0 * ldy + n;
+      switch (std::min<int64_t>(8, M - m0)) {
+        case 1: dot_row<1>(xm, ldx, w, K, ym, ldy); break;
+        case 2: dot_row<2>(xm, ldx, w, K, ym, ldy); break;
+        case 3: dot_row<3>(xm, ldx, w, K, ym, ldy); break;
+        case 4: dot_row<4>(xm, ldx, w, K, ym, ldy); break;
+        case 5: dot_row<5>(xm, ldx, w, K, ym, ldy); break;
+        case 6: dot_row<6>(xm, ldx, w, K, ym, ldy); break;
+        case 7: dot_row<7>(xm, ldx, w, K, ym, ldy); break;
+        default: dot_row<8>(xm, ldx, w, K, ym, ldy); break;
+      }
+    }
+  }
+}
+
+// Weight rows per parallel task (~64 KiB of weights).
+inline int64_t rows_per_task(int64_t K) { return std::max<int64_t>(4, 16384 / std::max<int64_t>(K, 1)); }
+
+// One weight matrix of a product list: x [M, K] (row stride ldx) times W [N, K] -> y [M, N].
+struct Product {
+  const float* x;
+  int64_t M, ldx;
+  const float* W;
+  int64_t N, K;
+  float* y;
+};
+
+// All products in one parallel region: each is cut into blocks of weight rows, and the blocks of
+// all products are shared among the threads (one fork/join instead of one per product).
+inline void run_products(const std::vector<Product>& products) {
+  std::vector<int64_t> first{0};  // first task of each product
+  for (const auto& p : products) first.push_back(first.back() + (p.N + rows_per_task(p.K) - 1) / rows_per_task(p.K));
+  at::parallel_for(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t i = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
+      const Product& p = products[i];
+      const int64_t step = rows_per_task(p.K), n0 = (t - first[i]) * step;
+      block(p.x, p.M, p.ldx, p.W, p.K, n0, std::min(p.N, n0 + step), p.y, p.N);
+    }
+  });
+}
+
+inline void check(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+inline float silu(float x) { return x / (1.f + std::exp(-x)); }
+
+}  // namespace qwen35
