@@ -81,15 +81,18 @@ def prefill_flops(model, tokens: int) -> float:
 
 
 class ExpertCounter:
-    """Counts distinct experts per router call (decode steps only) through forward hooks."""
+    """Counts distinct experts per MoE block call in decode steps, recomputing the routing in a
+    forward pre-hook (use it on an untimed run: the decode path may route inside a fused kernel)."""
 
     def __init__(self, model):
         self.counts: list[int] = []
-        self.hooks = [m.register_forward_hook(self._hook) for n, m in model.lm.named_modules() if n.endswith("mlp.gate")]
+        self.hooks = [m.register_forward_pre_hook(self._hook) for n, m in model.lm.named_modules()
+                      if n.endswith(".mlp") and hasattr(m, "gate")]
 
-    def _hook(self, module, inputs, output):
-        experts = output[0]
-        if inputs[0].shape[0] <= 8:  # a decode step (prompts here are longer than any decode batch)
+    def _hook(self, module, args):
+        x = args[0].reshape(-1, args[0].shape[-1])
+        if x.shape[0] <= 8:  # a decode step (prompts here are longer than any decode batch)
+            experts, _ = module.gate(x)
             self.counts.append(int(experts.unique().numel()))
 
     def mean(self) -> float:
@@ -181,12 +184,12 @@ def main() -> None:
 
     for batch in (1, 8):
         ids = torch.randint(0, vocab, (batch, 32))
+        counter = ExpertCounter(model)  # on the warm-up run (untimed); greedy decoding repeats its routing
         ours_decode(model, ids, new, repeats=1)  # warm-up of each configuration, for both engines
+        counter.close()
         if not args.skip_hf:
             hf_decode(hf, ids, 8, repeats=1)
-        counter = ExpertCounter(model)
         step, bandwidth, _ = limits.around(lambda: ours_decode(model, ids, new))
-        counter.close()
         theirs = None if args.skip_hf else hf_decode(hf, ids, new)
         touched = weight_bytes_per_step(model, counter.mean())
         rows.append((f"decode batch {batch} (tok/s)", batch / step, theirs and batch / theirs, touched / bandwidth / step))

@@ -22,7 +22,7 @@ at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::T
   const int64_t N = x.size(0), H = x.size(1), E = router.size(0), I = down.size(2), Is = sh_gate.size(0);
   TORCH_CHECK(router.size(1) == H && gate_up.size(0) == E && gate_up.size(1) == 2 * I && gate_up.size(2) == H &&
                   down.size(0) == E && down.size(1) == H && sh_up.size(0) == Is && sh_down.size(0) == H &&
-                  sh_down.size(1) == Is && sh_expert_gate.numel() == H && top_k >= 1 && top_k <= E,
+                  sh_down.size(1) == Is && sh_expert_gate.numel() == H && top_k >= 1 && top_k <= E && N <= 8,
               "MoE decode shapes do not match");
   const auto opt = x.options();
   const float* xp = x.data_ptr<float>();

@@ -18,6 +18,7 @@ at::Tensor small_m_linear(at::Tensor x, at::Tensor W) {
   check(W, "weight");
   TORCH_CHECK(x.dim() == 2 && W.dim() == 2 && x.size(1) == W.size(1), "shapes must be x [M, K] and weight [N, K]");
   const int64_t M = x.size(0), K = x.size(1), N = W.size(0);
+  TORCH_CHECK(M <= 8, "at most 8 rows of x");
   auto y = at::empty({M, N}, x.options());
   run_products({{x.data_ptr<float>(), M, K, W.data_ptr<float>(), N, K, y.data_ptr<float>()}});
   return y;
@@ -25,7 +26,7 @@ at::Tensor small_m_linear(at::Tensor x, at::Tensor W) {
 
 std::vector<at::Tensor> multi_linear(at::Tensor x, std::vector<at::Tensor> weights) {
   check(x, "x");
-  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) <= 8, "x must be [M, K] with M <= 8");
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<at::Tensor> ys;
   std::vector<Product> products;
@@ -55,7 +56,7 @@ at::Tensor grouped_linear(at::Tensor x, at::Tensor W, at::Tensor experts, at::Te
   std::vector<Product> products;
   for (int64_t g = 0; g < G; ++g) {
     const int64_t rows = op[g + 1] - op[g];
-    TORCH_CHECK(ep[g] >= 0 && ep[g] < W.size(0), "expert id out of range");
+    TORCH_CHECK(ep[g] >= 0 && ep[g] < W.size(0) && rows <= 8, "expert id out of range or more than 8 rows");
     if (rows > 0)
       products.push_back({x.data_ptr<float>() + op[g] * K, rows, K, W.data_ptr<float>() + ep[g] * N * K, N, K,
                           y.data_ptr<float>() + op[g] * N});
