@@ -53,6 +53,8 @@ class Experts(nn.Module):
         if gate_up is not None:  # decode: few rows per expert, bandwidth-bound
             gate, up = gate_up.chunk(2, dim=-1)
             return kernels.grouped_linear(F.silu(gate) * up, self.down_proj, hit, sizes)
+        if (ys := kernels.expert_mlp(xs, self.gate_up_proj, self.down_proj, counts)) is not None:
+            return ys  # prefill, float32: one expert per thread at a time
         offsets = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
         gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)

@@ -85,6 +85,15 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, experts: list[int], si
     return k.grouped_linear(x.contiguous(), weight, torch.tensor(experts), offsets)
 
 
+def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor):
+    """Rows of x [R, H] grouped by expert (`counts` [E] rows each) through their expert's SwiGLU
+    (gate_up [E, 2I, H], down [E, H, I]) -> [R, H], experts spread over threads; None when n/a."""
+    if not (gate_up.is_contiguous() and down.is_contiguous()) or (k := _fusable(x, gate_up, down)) is None:
+        return None
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).long()
+    return k.expert_mlp(x.contiguous(), gate_up, down, offsets)
+
+
 def gated_delta_step(state, q, k, v, decay, beta) -> torch.Tensor | None:
     """In-place decode step of the gated delta rule (see delta_rule.gated_delta_step) with one pass
     over the state; None when the kernel does not apply. Shapes: state [B, H, Dk, Dv]; q, k

@@ -15,6 +15,7 @@ torch::Tensor gdn_decode(torch::Tensor qkv, torch::Tensor z, torch::Tensor b_in,
 torch::Tensor moe_decode(torch::Tensor x, torch::Tensor router, torch::Tensor gate_up, torch::Tensor down,
                          int64_t top_k, torch::Tensor sh_gate, torch::Tensor sh_up, torch::Tensor sh_down,
                          torch::Tensor sh_expert_gate);
+torch::Tensor expert_mlp(torch::Tensor x, torch::Tensor gate_up, torch::Tensor down, torch::Tensor offsets);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, double offset);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -24,5 +25,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_delta_step", &gated_delta_step, "in-place gated delta rule decode step (float32, CPU)");
   m.def("gdn_decode", &gdn_decode, "a Gated DeltaNet decode step from projections to out_proj input");
   m.def("moe_decode", &moe_decode, "a sparse MoE block (router, experts, shared expert) for a few rows");
+  m.def("expert_mlp", &expert_mlp, "per-expert SwiGLU over rows grouped by expert (prefill)");
   m.def("rms_norm", &rms_norm, "x / rms(x) * (offset + w) per row");
 }

@@ -118,8 +118,11 @@ inline void block(const float* x, int64_t M, int64_t ldx, const float* W, int64_
   }
 }
 
-// Weight rows per parallel task (~64 KiB of weights).
-inline int64_t rows_per_task(int64_t K) { return std::max<int64_t>(4, 16384 / std::max<int64_t>(K, 1)); }
+// Weight floats per parallel task (~64 KiB; 32 and 64 Ki floats measured the same). -D to experiment.
+#ifndef QWEN35_TASK_FLOATS
+#define QWEN35_TASK_FLOATS 16384
+#endif
+inline int64_t rows_per_task(int64_t K) { return std::max<int64_t>(4, QWEN35_TASK_FLOATS / std::max<int64_t>(K, 1)); }
 
 // One weight matrix of a product list: x [M, K] (row stride ldx) times W [N, K] -> y [M, N].
 struct Product {

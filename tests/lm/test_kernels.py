@@ -96,7 +96,7 @@ def _both_paths(monkeypatch, run):
     return run(), reference
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 20, 100])  # decode (one fused call) and prefill (expert_mlp)
 def test_fused_moe_block_equals_reference(monkeypatch, rows):
     from lm.config import TextConfig
     from lm.moe import SparseMoeBlock
@@ -106,9 +106,13 @@ def test_fused_moe_block_equals_reference(monkeypatch, rows):
     block = _perturbed(SparseMoeBlock(config), rows)
     x = torch.randn(rows, 1, config.hidden_size, generator=torch.Generator().manual_seed(1))
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
-    assert kernels.moe_decode(x[:, 0], block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj, 4,
-                              block.shared_expert.gate_proj.weight, block.shared_expert.up_proj.weight,
-                              block.shared_expert.down_proj.weight, block.shared_expert_gate.weight) is not None
+    if rows <= kernels.MAX_ROWS:
+        assert kernels.moe_decode(x[:, 0], block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj,
+                                  4, block.shared_expert.gate_proj.weight, block.shared_expert.up_proj.weight,
+                                  block.shared_expert.down_proj.weight, block.shared_expert_gate.weight) is not None
+    else:
+        counts = torch.tensor([rows] + [0] * 15)
+        assert kernels.expert_mlp(x[:, 0], block.experts.gate_up_proj, block.experts.down_proj, counts) is not None
     with torch.no_grad():
         ours, reference = _both_paths(monkeypatch, lambda: block(x))
     assert ours.shape == x.shape and rel_err(ours, reference) < 1e-5
