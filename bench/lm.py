@@ -21,6 +21,7 @@ import torch
 
 from bench.limits import best_time, matmul_flops, memory_read_bandwidth
 from lm import SamplingParams, stream_generate
+from lm.delta_rule import CHUNK_SIZE
 
 CONFIG = dict(
     model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"], vocab_size=32768,
@@ -74,7 +75,7 @@ def prefill_flops(model, tokens: int) -> float:
     flops = 2 * tokens * (dense + experts) + 2 * cfg.hidden_size * cfg.vocab_size  # lm_head: last token only
     n_full = len(cfg.full_attention_layers)
     flops += n_full * 2 * 2 * (tokens * tokens / 2) * cfg.num_attention_heads * cfg.head_dim  # QK^T, PV (causal)
-    c, hv, dk, dv = 64, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    c, hv, dk, dv = CHUNK_SIZE, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     per_chunk = 2 * hv * (c * c * dk * 2 + c * c * dv + c * c * (dv + dk) + 2 * c * dk * dv * 2 + c * c * dv)
     flops += len(cfg.linear_attention_layers) * per_chunk * (tokens / c)
     return flops

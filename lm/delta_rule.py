@@ -17,6 +17,9 @@ import torch.nn.functional as F
 from . import kernels
 
 
+CHUNK_SIZE = 32  # tokens per chunk in prefill: 32 ran ~15% faster than 64 here (fewer wasted causal FLOPs)
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
@@ -79,11 +82,13 @@ def gated_delta_step(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tenso
 
 
 def chunked_gated_delta_rule(
-    q, k, v, g, beta, state: torch.Tensor, chunk_size: int = 64
+    q, k, v, g, beta, state: torch.Tensor, chunk_size: int = CHUNK_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunk-parallel form; same arguments and results as `recurrent_gated_delta_rule`."""
     dtype, t = v.dtype, v.shape[1]
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    if (fused := kernels.chunked_delta_rule(q, k, v, g, beta, state.float(), chunk_size)) is not None:
+        return fused[0].transpose(1, 2).to(dtype), fused[1]  # CPU: heads side by side
     pad = (-t) % chunk_size
     if pad:  # padded steps have k = v = 0 and g = 0: they leave the state untouched
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))

@@ -94,6 +94,21 @@ def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, count
     return k.expert_mlp(x.contiguous(), gate_up, down, offsets)
 
 
+def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int):
+    """The chunked gated delta rule (lm.delta_rule) with each (row, head) on one thread at a time.
+    q, k [B, H, T, Dk] (prepared: unit-norm, q scaled, key heads repeated); v [B, H, T, Dv];
+    g, beta [B, H, T]; state [B, H, Dk, Dv] -> (out [B, H, T, Dv], new state); None when n/a."""
+    if (kernel := _fusable(q, k, v, g, beta, state)) is None:
+        return None
+    b, h, t, dk = k.shape
+    dv = v.shape[-1]
+    out, new = kernel.chunked_delta_rule(q.reshape(b * h, t, dk).contiguous(), k.reshape(b * h, t, dk).contiguous(),
+                                         v.reshape(b * h, t, dv).contiguous(), g.reshape(b * h, t).contiguous(),
+                                         beta.reshape(b * h, t).contiguous(), state.reshape(b * h, dk, dv).contiguous(),
+                                         chunk_size)
+    return out.view(b, h, t, dv), new.view(b, h, dk, dv)
+
+
 def gated_delta_step(state, q, k, v, decay, beta) -> torch.Tensor | None:
     """In-place decode step of the gated delta rule (see delta_rule.gated_delta_step) with one pass
     over the state; None when the kernel does not apply. Shapes: state [B, H, Dk, Dv]; q, k

@@ -16,6 +16,8 @@ torch::Tensor moe_decode(torch::Tensor x, torch::Tensor router, torch::Tensor ga
                          int64_t top_k, torch::Tensor sh_gate, torch::Tensor sh_up, torch::Tensor sh_down,
                          torch::Tensor sh_expert_gate);
 torch::Tensor expert_mlp(torch::Tensor x, torch::Tensor gate_up, torch::Tensor down, torch::Tensor offsets);
+std::vector<torch::Tensor> chunked_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
+                                              torch::Tensor beta, torch::Tensor state, int64_t chunk);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, double offset);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -26,5 +28,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdn_decode", &gdn_decode, "a Gated DeltaNet decode step from projections to out_proj input");
   m.def("moe_decode", &moe_decode, "a sparse MoE block (router, experts, shared expert) for a few rows");
   m.def("expert_mlp", &expert_mlp, "per-expert SwiGLU over rows grouped by expert (prefill)");
+  m.def("chunked_delta_rule", &chunked_delta_rule, "chunked gated delta rule, heads side by side (prefill)");
   m.def("rms_norm", &rms_norm, "x / rms(x) * (offset + w) per row");
 }

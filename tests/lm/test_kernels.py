@@ -160,3 +160,19 @@ def test_fused_rms_norm_and_multi_linear_equal_reference(monkeypatch):
     xs = torch.randn(3, 64)
     for y, w in zip(kernels.multi_linear(xs, ws), ws):
         assert rel_err(y, F.linear(xs, w)) < 1e-5
+
+
+@pytest.mark.parametrize("t", [5, 32, 77])
+def test_chunked_delta_rule_kernel_equals_reference(monkeypatch, t):
+    from lm.delta_rule import _prepare, chunked_gated_delta_rule
+
+    g = torch.Generator().manual_seed(t)
+    q, k = torch.randn(2, t, 2, 16, generator=g), torch.randn(2, t, 2, 16, generator=g)
+    v = torch.randn(2, t, 4, 24, generator=g)
+    decay, beta = -F.softplus(torch.randn(2, t, 4, generator=g)), torch.rand(2, t, 4, generator=g)
+    state = torch.randn(2, 4, 16, 24, generator=g)
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    assert kernels.chunked_delta_rule(*_prepare(q, k, v, decay, beta), state, 32) is not None
+    ours, reference = _both_paths(monkeypatch, lambda: chunked_gated_delta_rule(q, k, v, decay, beta, state))
+    for a, b in zip(ours, reference):
+        assert rel_err(a, b) < 1e-5
