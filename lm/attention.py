@@ -37,6 +37,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     The H / KV query heads sharing a KV head become rows of one product, so K and V are streamed
     once (no per-head copies); `[L, D] @ [D, rep]` keeps the long dimension contiguous. mask [B, 1, 1, L].
     """
+    if (fused := kernels.decode_attention(q, k, v, mask, scale)) is not None:  # CPU: one pass over the cache
+        return fused
     b, h, _, d = q.shape
     kv, length = k.shape[1], k.shape[2]
     scores = torch.bmm(k.reshape(b * kv, length, d), q.reshape(b * kv, h // kv, d).transpose(1, 2))  # [B*KV, L, rep]

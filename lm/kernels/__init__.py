@@ -109,6 +109,18 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int):
     return out.view(b, h, t, dv), new.view(b, h, dk, dv)
 
 
+def decode_attention(q, k, v, mask, scale: float) -> torch.Tensor | None:
+    """One query token per row: q [B, H, 1, D] over k, v [B, KV, L, D] (cache views) with `mask`
+    [B, 1, 1, L] (True = attend) or None -> [B, H, 1, D], the cache read once; None when n/a."""
+    b, h, _, d = q.shape
+    if k.stride(-1) != 1 or k.stride(2) != d or v.stride(-1) != 1 or v.stride(2) != d or h // k.shape[1] not in (1, 2, 4, 8, 16):
+        return None
+    if (kernel := _fusable(q, k, v)) is None:
+        return None
+    keep = mask.reshape(b, -1).contiguous() if mask is not None else torch.empty(0, dtype=torch.bool)
+    return kernel.decode_attention(q.reshape(b, h, d).contiguous(), k, v, keep, scale).view(b, h, 1, d)
+
+
 def gated_delta_step(state, q, k, v, decay, beta) -> torch.Tensor | None:
     """In-place decode step of the gated delta rule (see delta_rule.gated_delta_step) with one pass
     over the state; None when the kernel does not apply. Shapes: state [B, H, Dk, Dv]; q, k

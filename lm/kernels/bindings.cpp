@@ -18,6 +18,7 @@ torch::Tensor moe_decode(torch::Tensor x, torch::Tensor router, torch::Tensor ga
 torch::Tensor expert_mlp(torch::Tensor x, torch::Tensor gate_up, torch::Tensor down, torch::Tensor offsets);
 std::vector<torch::Tensor> chunked_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
                                               torch::Tensor beta, torch::Tensor state, int64_t chunk);
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor keep, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, double offset);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -29,5 +30,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_decode", &moe_decode, "a sparse MoE block (router, experts, shared expert) for a few rows");
   m.def("expert_mlp", &expert_mlp, "per-expert SwiGLU over rows grouped by expert (prefill)");
   m.def("chunked_delta_rule", &chunked_delta_rule, "chunked gated delta rule, heads side by side (prefill)");
+  m.def("decode_attention", &decode_attention, "one query token per row over the KV cache (GQA)");
   m.def("rms_norm", &rms_norm, "x / rms(x) * (offset + w) per row");
 }

@@ -176,3 +176,22 @@ def test_chunked_delta_rule_kernel_equals_reference(monkeypatch, t):
     ours, reference = _both_paths(monkeypatch, lambda: chunked_gated_delta_rule(q, k, v, decay, beta, state))
     for a, b in zip(ours, reference):
         assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("heads,dim", [(4, 64), (8, 72)])  # 72: value columns not a multiple of the block
+def test_decode_attention_kernel_equals_reference(monkeypatch, masked, heads, dim):
+    from lm.attention import decode_attention
+
+    g = torch.Generator().manual_seed(heads)
+    q = torch.randn(2, heads, 1, dim, generator=g)
+    cache_k, cache_v = torch.randn(2, 2, 20, dim, generator=g), torch.randn(2, 2, 20, dim, generator=g)
+    k, v = cache_k[:, :, :13], cache_v[:, :, :13]  # views into a longer cache, as in decoding
+    mask = torch.rand(2, 1, 1, 13, generator=g) > 0.3 if masked else None
+    if masked:
+        mask[..., -1] = True  # a query always sees itself
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    assert kernels.decode_attention(q, k, v, mask, dim**-0.5) is not None
+    ours, reference = _both_paths(monkeypatch, lambda: decode_attention(q, k, v, mask, dim**-0.5))
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=dim**-0.5, enable_gqa=True)
+    assert rel_err(ours, reference) < 1e-5 and rel_err(ours, sdpa) < 1e-5
