@@ -81,6 +81,15 @@ def prefill_flops(model, tokens: int) -> float:
     return flops
 
 
+def decode_flops(model, batch: int) -> float:
+    """Matmul FLOPs of one decode step of `batch` rows (each row through its top-k experts)."""
+    cfg = model.config.text
+    dense = sum(p.numel() for n, p in model.lm.named_parameters()
+                if p.ndim == 2 and "embed_tokens" not in n and not n.endswith(("gate_up_proj", "down_proj")))
+    experts = cfg.num_hidden_layers * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    return 2 * batch * (dense + experts)
+
+
 class ExpertCounter:
     """Counts distinct experts per MoE block call in decode steps, recomputing the routing in a
     forward pre-hook (use it on an untimed run: the decode path may route inside a fused kernel)."""
@@ -190,12 +199,14 @@ def main() -> None:
         counter.close()
         if not args.skip_hf:
             hf_decode(hf, ids, 8, repeats=1)
-        step, bandwidth, _ = limits.around(lambda: ours_decode(model, ids, new))
+        step, bandwidth, flops_s = limits.around(lambda: ours_decode(model, ids, new))
         theirs = None if args.skip_hf else hf_decode(hf, ids, new)
         touched = weight_bytes_per_step(model, counter.mean())
         rows.append((f"decode batch {batch} (tok/s)", batch / step, theirs and batch / theirs, touched / bandwidth / step))
         print(f"  batch {batch}: {counter.mean():.1f} experts/layer touched per step, {touched / 1e9:.2f} GB of "
-              f"weights per step = {touched / step / 1e9:.1f} GB/s; read bandwidth around it {bandwidth / 1e9:.1f} GB/s")
+              f"weights per step = {touched / step / 1e9:.1f} GB/s; read bandwidth around it {bandwidth / 1e9:.1f} GB/s;\n"
+              f"    bandwidth floor {touched / bandwidth * 1e3:.1f} ms/step, compute floor {decode_flops(model, batch) / flops_s * 1e3:.1f} "
+              f"ms/step (matmul FLOPs at {flops_s / 1e9:.0f} GFLOP/s), ours {step * 1e3:.1f} ms/step")
 
     short = ours_decode(model, torch.randint(0, vocab, (1, 128)), new)
     long = ours_decode(model, torch.randint(0, vocab, (1, long_prompt)), new, repeats=1)

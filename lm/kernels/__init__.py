@@ -1,13 +1,19 @@
-"""CPU fast paths for decoding: bandwidth-bound products of a few rows with large weights, and
-whole decode-time blocks (a DeltaNet token step, a MoE block, RMS norms) fused into one call each,
-because at decode sizes the fixed cost of each tensor operation outweighs its arithmetic.
+"""CPU fast paths (float32): what PyTorch's generic operators do slowly at these sizes.
+
+Decode: bandwidth-bound products of a few rows with large weights (small_m_linear.cpp), and whole
+decode-time blocks fused into one call each, because at decode sizes the fixed cost of each tensor
+operation outweighs its arithmetic: a DeltaNet token step (delta_step.cpp), a MoE block
+(moe_decode.cpp), attention over the KV cache (decode_attention.cpp), RMS norms (norms.cpp).
+Prefill: the routed experts one per thread (expert_mlp.cpp) and the chunked delta rule with heads
+side by side (chunked_delta_rule.cpp), where many small GEMMs run better single-threaded in parallel.
 
 One switch, the environment variable `QWEN35_CPU_KERNELS`:
     unset / "auto"  build the C++ kernels on first use (torch caches the build); if that fails
-                    (no C++ compiler), say so once on stderr and use `F.linear`
+                    (no C++ compiler), say so once on stderr and use the reference paths
     "1"             the kernels are required: a failed build raises
-    "0"             never use them (the reference path, `F.linear`)
-The kernels give the same results as `F.linear` up to float32 rounding (summation order).
+    "0"             never use them (the reference PyTorch paths in lm/)
+The kernels give the same results as the reference paths up to float32 rounding (summation order);
+tests/lm/test_kernels.py checks each against its reference.
 """
 
 from __future__ import annotations
@@ -33,8 +39,13 @@ def mode() -> str:
     return value
 
 
+_UNBUILT = object()
+
+
 def _kernels():
     """The compiled module, or None when switched off or unavailable (auto mode)."""
+    if os.environ.get("QWEN35_CPU_KERNELS", "auto") == "auto" and (module := _state.get("module", _UNBUILT)) is not _UNBUILT:
+        return module  # the common case, first and cheap: this runs ~100 times per decode step
     current = mode()
     if current == "0":
         return None
@@ -47,8 +58,8 @@ def _kernels():
             except Exception as e:  # noqa: BLE001 - any build failure means "no kernels"
                 if current == "1":
                     raise RuntimeError(f"QWEN35_CPU_KERNELS=1 but the CPU kernels did not build: {e}") from e
-                print(f"[qwen35] CPU kernels unavailable ({type(e).__name__}: {e}); decoding uses F.linear, "
-                      "which is 2-3x slower on CPU. Set QWEN35_CPU_KERNELS=0 to silence this.", file=sys.stderr)
+                print(f"[qwen35] CPU kernels unavailable ({type(e).__name__}: {e}); using the reference "
+                      "PyTorch paths, 2-3x slower on CPU. Set QWEN35_CPU_KERNELS=0 to silence this.", file=sys.stderr)
                 _state["module"] = None
     return _state["module"]
 
@@ -88,7 +99,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, experts: list[int], si
 def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor):
     """Rows of x [R, H] grouped by expert (`counts` [E] rows each) through their expert's SwiGLU
     (gate_up [E, 2I, H], down [E, H, I]) -> [R, H], experts spread over threads; None when n/a."""
-    if not (gate_up.is_contiguous() and down.is_contiguous()) or (k := _fusable(x, gate_up, down)) is None:
+    if (k := _fusable(x)) is None:
         return None
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).long()
     return k.expert_mlp(x.contiguous(), gate_up, down, offsets)
@@ -98,7 +109,7 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int):
     """The chunked gated delta rule (lm.delta_rule) with each (row, head) on one thread at a time.
     q, k [B, H, T, Dk] (prepared: unit-norm, q scaled, key heads repeated); v [B, H, T, Dv];
     g, beta [B, H, T]; state [B, H, Dk, Dv] -> (out [B, H, T, Dv], new state); None when n/a."""
-    if (kernel := _fusable(q, k, v, g, beta, state)) is None:
+    if (kernel := _fusable(q)) is None:
         return None
     b, h, t, dk = k.shape
     dv = v.shape[-1]
@@ -115,7 +126,7 @@ def decode_attention(q, k, v, mask, scale: float) -> torch.Tensor | None:
     b, h, _, d = q.shape
     if k.stride(-1) != 1 or k.stride(2) != d or v.stride(-1) != 1 or v.stride(2) != d or h // k.shape[1] not in (1, 2, 4, 8, 16):
         return None
-    if (kernel := _fusable(q, k, v)) is None:
+    if (kernel := _fusable(q)) is None:
         return None
     keep = mask.reshape(b, -1).contiguous() if mask is not None else torch.empty(0, dtype=torch.bool)
     return kernel.decode_attention(q.reshape(b, h, d).contiguous(), k, v, keep, scale).view(b, h, 1, d)
@@ -136,9 +147,10 @@ def gated_delta_step(state, q, k, v, decay, beta) -> torch.Tensor | None:
     return out.view(b, h, dv)
 
 
-def _fusable(*tensors: torch.Tensor):
-    """The kernel module when all tensors are float32 CPU tensors and the kernels are on, else None."""
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+def _fusable(x: torch.Tensor):
+    """The kernel module when the activations x are float32 on CPU and the kernels are on, else None.
+    (The kernels check their weights themselves and raise a clear error on a mismatch.)"""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
         return None
     return _kernels()
 
@@ -146,7 +158,7 @@ def _fusable(*tensors: torch.Tensor):
 def multi_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
     """`[F.linear(x, w) for w in weights]` in one parallel region (decode rows); None when n/a."""
     rows = x.numel() // x.shape[-1]
-    if not 0 < rows <= MAX_ROWS or not all(w.is_contiguous() for w in weights) or (k := _fusable(x, *weights)) is None:
+    if not 0 < rows <= MAX_ROWS or (k := _fusable(x)) is None:
         return None
     ys = k.multi_linear(x.reshape(rows, x.shape[-1]).contiguous(), list(weights))
     return [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
@@ -154,7 +166,7 @@ def multi_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Ten
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor | None:
     """`x / rms(x) * (offset + weight)` over the last dim in one pass; None when n/a."""
-    if x.numel() == 0 or x.stride(-1) != 1 or (k := _fusable(x, weight)) is None:
+    if x.numel() == 0 or x.stride(-1) != 1 or (k := _fusable(x)) is None:
         return None
     try:
         rows = x.view(-1, x.shape[-1])  # a view: strided rows (e.g. the query half of q_proj) are fine
@@ -166,8 +178,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -
 def moe_decode(x, router, gate_up, down, top_k, shared_gate, shared_up, shared_down, shared_expert_gate):
     """A sparse MoE block on a few rows x [N, H] in one call (router, top-k, experts, gated shared
     expert; see moe_decode.cpp). Weights as in `lm.moe`. None when the kernel does not apply."""
-    weights = (router, gate_up, down, shared_gate, shared_up, shared_down, shared_expert_gate)
-    if x.shape[0] > MAX_ROWS or not all(w.is_contiguous() for w in weights) or (k := _fusable(x, *weights)) is None:
+    if x.shape[0] > MAX_ROWS or (k := _fusable(x)) is None:
         return None
     return k.moe_decode(x.contiguous(), router, gate_up, down, top_k, shared_gate, shared_up, shared_down,
                         shared_expert_gate)
@@ -177,8 +188,7 @@ def gdn_decode(qkv, z, b, a, window, state, conv_weight, A_log, dt_bias, norm_we
     """A Gated DeltaNet decode token from its input projections (qkv [B, C], z [B, Hv*Dv], b, a [B, Hv])
     to the input of out_proj [B, Hv*Dv]: conv, q/k norms, gates, recurrence, gated RMSNorm (see
     delta_step.cpp). Updates `window` [B, K-1, C] and `state` [B, Hv, Dk, Dv] in place. None when n/a."""
-    tensors = (qkv, z, b, a, window, state, conv_weight, A_log, dt_bias, norm_weight)
-    if state.shape[-1] % 16 or not all(t.is_contiguous() for t in tensors) or (k := _fusable(*tensors)) is None:
+    if state.shape[-1] % 16 or not (window.is_contiguous() and state.is_contiguous()) or (k := _fusable(qkv)) is None:
         return None
     rows = qkv.shape[0]
     return k.gdn_decode(qkv.view(rows, -1), z.view(rows, -1), b.view(rows, -1), a.view(rows, -1), window,
