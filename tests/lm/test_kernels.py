@@ -195,3 +195,11 @@ def test_decode_attention_kernel_equals_reference(monkeypatch, masked, heads, di
     ours, reference = _both_paths(monkeypatch, lambda: decode_attention(q, k, v, mask, dim**-0.5))
     sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=dim**-0.5, enable_gqa=True)
     assert rel_err(ours, reference) < 1e-5 and rel_err(ours, sdpa) < 1e-5
+
+
+def test_kernels_reject_mismatched_weights_with_a_clear_error(monkeypatch):
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    with pytest.raises(RuntimeError, match="weight must be a float32 CPU tensor"):
+        kernels.multi_linear(torch.randn(2, 64), [torch.randn(8, 64, dtype=torch.bfloat16)])
+    with pytest.raises(RuntimeError, match="must be contiguous"):
+        kernels.multi_linear(torch.randn(2, 64), [torch.randn(64, 8).T])
