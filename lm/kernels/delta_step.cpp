@@ -30,6 +30,34 @@ inline void delta_block(float* s, int64_t Dk, int64_t Dv, const float* q, const 
   for (int64_t i = 0; i < Dk; ++i) store(s + i * Dv, load(s + i * Dv) * d + delta * k[i]);
 }
 
+// A whole head (Dv = NV * V columns) in two row-major passes over its state: S^T k and S^T q with
+// all columns in registers, then the update. Sequential reads stream better than the column strips
+// of delta_block (batch-8 decode steps ~7% faster here).
+template <int NV>
+inline void delta_head(float* s, int64_t Dk, const float* q, const float* k, const float* v, float d, float beta,
+                       float qk, float* out) {
+  constexpr int64_t Dv = NV * V;
+  vec kv[NV], qs[NV];
+  for (int j = 0; j < NV; ++j) kv[j] = qs[j] = vec{};
+  for (int64_t i = 0; i < Dk; ++i) {
+    const float* row = s + i * Dv;
+    for (int j = 0; j < NV; ++j) {
+      const vec x = load(row + j * V);
+      kv[j] += x * k[i];
+      qs[j] += x * q[i];
+    }
+  }
+  vec delta[NV];
+  for (int j = 0; j < NV; ++j) {
+    delta[j] = (load(v + j * V) - kv[j] * d) * beta;
+    store(out + j * V, qs[j] * d + delta[j] * qk);
+  }
+  for (int64_t i = 0; i < Dk; ++i) {
+    float* row = s + i * Dv;
+    for (int j = 0; j < NV; ++j) store(row + j * V, load(row + j * V) * d + delta[j] * k[i]);
+  }
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
@@ -130,7 +158,14 @@ at::Tensor gdn_decode(at::Tensor qkv, at::Tensor z, at::Tensor b_in, at::Tensor 
       const float qk = dot(q, k, Dk);
       float* o = op + r * Vd + h * Dv;
       float* s = S + t * Dk * Dv;
-      for (int64_t c = 0; c < Dv; c += V) delta_block(s + c, Dk, Dv, q, k, v + c, decay[t], beta[t], qk, o + c);
+      switch (Dv / V) {  // head widths of the real models and tests; others go by column strips
+        case 1: delta_head<1>(s, Dk, q, k, v, decay[t], beta[t], qk, o); break;
+        case 2: delta_head<2>(s, Dk, q, k, v, decay[t], beta[t], qk, o); break;
+        case 4: delta_head<4>(s, Dk, q, k, v, decay[t], beta[t], qk, o); break;
+        case 8: delta_head<8>(s, Dk, q, k, v, decay[t], beta[t], qk, o); break;
+        default:
+          for (int64_t c = 0; c < Dv; c += V) delta_block(s + c, Dk, Dv, q, k, v + c, decay[t], beta[t], qk, o + c);
+      }
       const float inv = 1.f / std::sqrt(dot(o, o, Dv) / float(Dv) + float(eps));
       const float* zh = zp + r * Vd + h * Dv;
       for (int64_t i = 0; i < Dv; ++i) o[i] = nw[i] * (o[i] * inv) * silu(zh[i]);

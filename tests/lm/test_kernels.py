@@ -118,14 +118,14 @@ def test_fused_moe_block_equals_reference(monkeypatch, rows):
     assert ours.shape == x.shape and rel_err(ours, reference) < 1e-5
 
 
-@pytest.mark.parametrize("rows", [1, 4])
-def test_fused_deltanet_decode_equals_reference(monkeypatch, rows):
+@pytest.mark.parametrize("rows,value_dim", [(1, 32), (4, 32), (2, 128), (2, 48)])  # 48: the column-strip path
+def test_fused_deltanet_decode_equals_reference(monkeypatch, rows, value_dim):
     from lm.cache import LinearSlot
     from lm.config import TextConfig
     from lm.gated_deltanet import GatedDeltaNet
     from tests import tiny
 
-    config = TextConfig.from_hf(tiny.text_config(True, linear_value_head_dim=32))
+    config = TextConfig.from_hf(tiny.text_config(True, linear_value_head_dim=value_dim))
     layer = _perturbed(GatedDeltaNet(config), rows)
     g = torch.Generator().manual_seed(2)
     conv_dim = 2 * layer.key_dim + layer.value_dim
