@@ -7,8 +7,7 @@
 //
 // Per (row, value head) with old state S [Dk, Dv], d = exp(g):
 //   kv = S^T k, qs = S^T q; delta = beta (v - d kv); out = d qs + (q.k) delta; S <- d S + k delta^T.
-// Each block of V value columns is reduced over Dk, then updated while it is still in L1: one read
-// and one write of the state (the reference form needs five passes).
+// One read and one write of the state per head (the reference form needs five passes).
 
 #include "vec.h"
 
@@ -64,6 +63,21 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// One head's step: state s [Dk, Dv] in place, out [Dv]. Row-major for the usual head widths, by
+// column strips (each reduced over Dk, then updated while still in L1) for the others.
+inline void delta_step_head(float* s, int64_t Dk, int64_t Dv, const float* q, const float* k, const float* v,
+                            float d, float beta, float* out) {
+  const float qk = dot(q, k, Dk);
+  switch (Dv / V) {
+    case 1: delta_head<1>(s, Dk, q, k, v, d, beta, qk, out); break;
+    case 2: delta_head<2>(s, Dk, q, k, v, d, beta, qk, out); break;
+    case 4: delta_head<4>(s, Dk, q, k, v, d, beta, qk, out); break;
+    case 8: delta_head<8>(s, Dk, q, k, v, d, beta, qk, out); break;
+    default:
+      for (int64_t c = 0; c < Dv; c += V) delta_block(s + c, Dk, Dv, q, k, v + c, d, beta, qk, out + c);
+  }
+}
+
 // x <- x / sqrt(sum x^2 + eps) * scale
 inline void l2norm(float* x, int64_t n, float scale) {
   const float r = scale / std::sqrt(dot(x, x, n) + 1e-6f);
@@ -85,13 +99,9 @@ at::Tensor gated_delta_step(at::Tensor state, at::Tensor q, at::Tensor k, at::Te
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *dp = decay.data_ptr<float>(), *bp = beta.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t blocks = Dv / V;
-  at::parallel_for(0, BH * blocks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t h = t / blocks, c = (t % blocks) * V;
-      const float *qh = qp + h * Dk, *kh = kp + h * Dk;
-      delta_block(S + h * Dk * Dv + c, Dk, Dv, qh, kh, vp + h * Dv + c, dp[h], bp[h], dot(qh, kh, Dk), op + h * Dv + c);
-    }
+  at::parallel_for(0, BH, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h)
+      delta_step_head(S + h * Dk * Dv, Dk, Dv, qp + h * Dk, kp + h * Dk, vp + h * Dv, dp[h], bp[h], op + h * Dv);
   });
   return out;
 }
@@ -155,17 +165,8 @@ at::Tensor gdn_decode(at::Tensor qkv, at::Tensor z, at::Tensor b_in, at::Tensor 
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r = t / Hv, h = t % Hv;
       const float *q = cp + r * C + (h / rep) * Dk, *k = q + Kd, *v = cp + r * C + 2 * Kd + h * Dv;
-      const float qk = dot(q, k, Dk);
       float* o = op + r * Vd + h * Dv;
-      float* s = S + t * Dk * Dv;
-      switch (Dv / V) {  // head widths of the real models and tests; others go by column strips
-        case 1: delta_head<1>(s, Dk, q, k, v, decay[t], beta[t], qk, o); break;
-        case 2: delta_head<2>(s, Dk, q, k, v, decay[t], beta[t], qk, o); break;
-        case 4: delta_head<4>(s, Dk, q, k, v, decay[t], beta[t], qk, o); break;
-        case 8: delta_head<8>(s, Dk, q, k, v, decay[t], beta[t], qk, o); break;
-        default:
-          for (int64_t c = 0; c < Dv; c += V) delta_block(s + c, Dk, Dv, q, k, v + c, decay[t], beta[t], qk, o + c);
-      }
+      delta_step_head(S + t * Dk * Dv, Dk, Dv, q, k, v, decay[t], beta[t], o);
       const float inv = 1.f / std::sqrt(dot(o, o, Dv) / float(Dv) + float(eps));
       const float* zh = zp + r * Vd + h * Dv;
       for (int64_t i = 0; i < Dv; ++i) o[i] = nw[i] * (o[i] * inv) * silu(zh[i]);

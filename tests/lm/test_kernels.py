@@ -61,14 +61,15 @@ def test_decoding_with_kernels_equals_reference(checkpoints, monkeypatch):
     assert rel_err(decode(), reference) < 1e-5
 
 
-def test_fused_delta_step_equals_reference(monkeypatch):
+@pytest.mark.parametrize("value_dim", [48, 32])  # column strips, row-major head
+def test_fused_delta_step_equals_reference(monkeypatch, value_dim):
     from lm.delta_rule import gated_delta_step, recurrent_gated_delta_rule
 
     g = torch.Generator().manual_seed(7)
     q, k = torch.randn(3, 1, 2, 32, generator=g), torch.randn(3, 1, 2, 32, generator=g)
-    v = torch.randn(3, 1, 4, 48, generator=g)
+    v = torch.randn(3, 1, 4, value_dim, generator=g)
     decay, beta = -torch.rand(3, 1, 4, generator=g), torch.rand(3, 1, 4, generator=g)
-    state = torch.randn(3, 4, 32, 48, generator=g)
+    state = torch.randn(3, 4, 32, value_dim, generator=g)
     ref_out, ref_state = recurrent_gated_delta_rule(q, k, v, decay, beta, state)
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
     live = state.clone()
