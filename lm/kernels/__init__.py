@@ -44,7 +44,8 @@ _UNBUILT = object()
 
 def _kernels():
     """The compiled module, or None when switched off or unavailable (auto mode)."""
-    if os.environ.get("QWEN35_CPU_KERNELS", "auto") == "auto" and (module := _state.get("module", _UNBUILT)) is not _UNBUILT:
+    module = _state.get("module", _UNBUILT)
+    if module is not _UNBUILT and os.environ.get("QWEN35_CPU_KERNELS", "auto") == "auto":
         return module  # the common case, first and cheap: this runs ~100 times per decode step
     current = mode()
     if current == "0":
@@ -64,10 +65,18 @@ def _kernels():
     return _state["module"]
 
 
+def _fusable(x: torch.Tensor):
+    """The kernel module when the activations x are float32 on CPU and the kernels are on, else None.
+    (The kernels check their weights themselves and raise a clear error on a mismatch.)"""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    return _kernels()
+
+
 def _eligible(rows: int, weight: torch.Tensor) -> bool:
+    """A product the small-batch kernel serves: few rows, a contiguous float32 weight worth streaming."""
     return (
         rows <= MAX_ROWS
-        and weight.device.type == "cpu"
         and weight.dtype == torch.float32
         and weight.numel() >= MIN_WEIGHT_ELEMENTS
         and weight.is_contiguous()
@@ -77,7 +86,7 @@ def _eligible(rows: int, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the small-batch kernel when it applies."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if rows == 0 or not _eligible(rows, weight) or x.dtype != torch.float32 or (k := _kernels()) is None:
+    if rows == 0 or not _eligible(rows, weight) or (k := _fusable(x)) is None:
         return F.linear(x, weight, bias)
     y = k.small_m_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight)
     if bias is not None:
@@ -88,9 +97,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, experts: list[int], sizes: list[int]) -> torch.Tensor | None:
     """Rows of x [R, K] grouped by expert (`sizes` rows for each of `experts`) times their expert's
     weight[e] [N, K] -> [R, N]; None when the kernel does not apply (the caller uses its own path)."""
-    if not sizes or max(sizes) > MAX_ROWS or x.dtype != torch.float32 or weight.device.type != "cpu":
+    if not sizes or max(sizes) > MAX_ROWS or not weight.is_contiguous() or weight[0].numel() < MIN_WEIGHT_ELEMENTS // 4:
         return None
-    if not weight.is_contiguous() or weight[0].numel() < MIN_WEIGHT_ELEMENTS // 4 or (k := _kernels()) is None:
+    if (k := _fusable(x)) is None:
         return None
     offsets = torch.tensor([0, *sizes]).cumsum(0)
     return k.grouped_linear(x.contiguous(), weight, torch.tensor(experts), offsets)
@@ -124,7 +133,8 @@ def decode_attention(q, k, v, mask, scale: float) -> torch.Tensor | None:
     """One query token per row: q [B, H, 1, D] over k, v [B, KV, L, D] (cache views) with `mask`
     [B, 1, 1, L] (True = attend) or None -> [B, H, 1, D], the cache read once; None when n/a."""
     b, h, _, d = q.shape
-    if k.stride(-1) != 1 or k.stride(2) != d or v.stride(-1) != 1 or v.stride(2) != d or h // k.shape[1] not in (1, 2, 4, 8, 16):
+    rows_contiguous = k.stride(-1) == v.stride(-1) == 1 and k.stride(2) == v.stride(2) == d
+    if not rows_contiguous or h // k.shape[1] not in (1, 2, 4, 8, 16):
         return None
     if (kernel := _fusable(q)) is None:
         return None
@@ -137,22 +147,12 @@ def gated_delta_step(state, q, k, v, decay, beta) -> torch.Tensor | None:
     over the state; None when the kernel does not apply. Shapes: state [B, H, Dk, Dv]; q, k
     [B, H, Dk]; v [B, H, Dv]; decay, beta [B, H]."""
     b, h, dk, dv = state.shape
-    if state.device.type != "cpu" or state.dtype != torch.float32 or dv % 16 or not state.is_contiguous():
-        return None
-    if (kernel := _kernels()) is None:
+    if dv % 16 or not state.is_contiguous() or (kernel := _fusable(state)) is None:
         return None
     flat = (lambda t, *shape: t.reshape(*shape).contiguous())
     out = kernel.gated_delta_step(state.view(b * h, dk, dv), flat(q, b * h, dk), flat(k, b * h, dk),
                                   flat(v, b * h, dv), flat(decay, b * h), flat(beta, b * h))
     return out.view(b, h, dv)
-
-
-def _fusable(x: torch.Tensor):
-    """The kernel module when the activations x are float32 on CPU and the kernels are on, else None.
-    (The kernels check their weights themselves and raise a clear error on a mismatch.)"""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
-        return None
-    return _kernels()
 
 
 def multi_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
