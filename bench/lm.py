@@ -64,15 +64,21 @@ def weight_bytes_per_step(model, experts_touched_per_layer: float) -> float:
     return total + cfg.num_hidden_layers * experts_touched_per_layer * per_expert
 
 
+def weights_per_token(model) -> tuple[int, int]:
+    """(weights of the 2-D products one token goes through, without the embedding table and the
+    LM head; weights of its top-k experts)."""
+    cfg = model.config.text
+    dense = sum(p.numel() for n, p in model.lm.named_parameters()
+                if p.ndim == 2 and "embed_tokens" not in n and "lm_head" not in n)
+    experts = cfg.num_hidden_layers * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    return dense, experts
+
+
 def prefill_flops(model, tokens: int) -> float:
     """Matmul FLOPs of a prefill: active weights x tokens, attention scores, DeltaNet chunk maths."""
     cfg = model.config.text
-    dense = 0
-    for name, p in model.lm.named_parameters():
-        if p.ndim == 2 and "embed_tokens" not in name and "lm_head" not in name:
-            dense += p.numel()
-    experts = cfg.num_hidden_layers * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    flops = 2 * tokens * (dense + experts) + 2 * cfg.hidden_size * cfg.vocab_size  # lm_head: last token only
+    head = cfg.hidden_size * cfg.vocab_size
+    flops = 2 * tokens * sum(weights_per_token(model)) + 2 * head  # lm_head: last token only
     n_full = len(cfg.full_attention_layers)
     flops += n_full * 2 * 2 * (tokens * tokens / 2) * cfg.num_attention_heads * cfg.head_dim  # QK^T, PV (causal)
     c, hv, dk, dv = CHUNK_SIZE, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -82,12 +88,9 @@ def prefill_flops(model, tokens: int) -> float:
 
 
 def decode_flops(model, batch: int) -> float:
-    """Matmul FLOPs of one decode step of `batch` rows (each row through its top-k experts)."""
+    """Matmul FLOPs of one decode step of `batch` rows (each row through its top-k experts and the LM head)."""
     cfg = model.config.text
-    dense = sum(p.numel() for n, p in model.lm.named_parameters()
-                if p.ndim == 2 and "embed_tokens" not in n and not n.endswith(("gate_up_proj", "down_proj")))
-    experts = cfg.num_hidden_layers * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    return 2 * batch * (dense + experts)
+    return 2 * batch * (sum(weights_per_token(model)) + cfg.hidden_size * cfg.vocab_size)
 
 
 class ExpertCounter:
