@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 MAX_ROWS = 8  # decode batches; larger products go to MKL's GEMM, which is efficient there
 MIN_WEIGHT_ELEMENTS = 1 << 16  # smaller weights stay in cache: no bandwidth to win, only call overhead
+MOE_PIECES = 1  # moe_decode's parallel pieces per expert gate/up and per down (1 measured best at 2 threads)
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -181,7 +182,7 @@ def moe_decode(x, router, gate_up, down, top_k, shared_gate, shared_up, shared_d
     if x.shape[0] > MAX_ROWS or (k := _fusable(x)) is None:
         return None
     return k.moe_decode(x.contiguous(), router, gate_up, down, top_k, shared_gate, shared_up, shared_down,
-                        shared_expert_gate)
+                        shared_expert_gate, MOE_PIECES)
 
 
 def gdn_decode(qkv, z, b, a, window, state, conv_weight, A_log, dt_bias, norm_weight, eps: float, num_k_heads: int):

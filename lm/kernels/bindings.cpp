@@ -14,7 +14,7 @@ torch::Tensor gdn_decode(torch::Tensor qkv, torch::Tensor z, torch::Tensor b_in,
                          torch::Tensor state, torch::Tensor norm_w, double eps, int64_t num_k_heads);
 torch::Tensor moe_decode(torch::Tensor x, torch::Tensor router, torch::Tensor gate_up, torch::Tensor down,
                          int64_t top_k, torch::Tensor sh_gate, torch::Tensor sh_up, torch::Tensor sh_down,
-                         torch::Tensor sh_expert_gate);
+                         torch::Tensor sh_expert_gate, int64_t pieces_per_expert);
 torch::Tensor expert_mlp(torch::Tensor x, torch::Tensor gate_up, torch::Tensor down, torch::Tensor offsets);
 std::vector<torch::Tensor> chunked_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
                                               torch::Tensor beta, torch::Tensor state, int64_t chunk);

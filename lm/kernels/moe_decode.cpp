@@ -1,22 +1,75 @@
-// A whole sparse-MoE block for a few tokens (decode), in three parallel regions:
-//   1. router logits (and the shared expert's gate logit);
+// A whole sparse-MoE block for a few tokens (decode):
+//   1. router logits and the shared expert's gate logit (one parallel region);
 //   2. (serial) float32 softmax, top-k, renormalisation; rows grouped by expert;
-//      then the selected experts' gate_up products together with the shared expert's gate and up;
-//   3. the down products of the selected experts and of the shared expert;
+//   3. the shared expert and every selected expert in one parallel region, as a queue of pieces
+//      taken by the threads in order: first the gate/up pieces of all experts (rows of gate and
+//      up -> columns of act = silu(x Wg^T) * (x Wu^T)), then the down pieces (rows of down: their
+//      output columns, weighted and added into the running thread's output rows). A down piece
+//      waits for its expert's act to be complete, which in queue order has almost always happened.
+//      Every piece reads a contiguous block of weights, and no barrier stops the threads between
+//      gate/up and down; the thread outputs are summed at the end.
 //   out[n] = sum_k w[n, k] expert_k(x[n]) + sigmoid(x[n] . shared_gate) shared(x[n]).
 // Only the experts some token selected are read (each once, for all of its rows).
 
 #include "vec.h"
 
+#include <atomic>
 #include <numeric>
+#include <thread>
 
 using namespace qwen35;
 
-// x [N, H]; router [E, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I];
-// shared gate/up [Is, H], shared down [H, Is], shared expert gate [1, H] -> [N, H].
+namespace {
+
+// One SwiGLU expert on rows of x: x [M, H], gate/up [I, H], down [H, I]; act [M, I] its activations;
+// output row m is added, times weight[m], into out row token[m]. `ready` counts finished gate/up pieces.
+struct Expert {
+  const float* x;
+  int64_t M;
+  const float *gate, *up, *down;
+  int64_t I;
+  float* act;
+  const int64_t* token;
+  const float* weight;
+  std::atomic<int64_t>* ready;
+};
+
+struct Piece {
+  int64_t expert, begin, end;  // rows [begin, end) of gate and up, or of down
+  bool down;
+};
+
+void gate_up_piece(const Expert& e, int64_t i0, int64_t i1, int64_t H, float* scratch) {
+  const int64_t w = i1 - i0;
+  float *g = scratch, *u = g + e.M * w;
+  block(e.x, e.M, H, e.gate + i0 * H, H, 0, w, g, w);
+  block(e.x, e.M, H, e.up + i0 * H, H, 0, w, u, w);
+  for (int64_t m = 0; m < e.M; ++m)
+    for (int64_t i = 0; i < w; ++i) e.act[m * e.I + i0 + i] = silu(g[m * w + i]) * u[m * w + i];
+  e.ready->fetch_add(1, std::memory_order_release);
+}
+
+void down_piece(const Expert& e, int64_t h0, int64_t h1, int64_t H, float* out, float* scratch) {
+  const int64_t w = h1 - h0;
+  float* y = scratch;
+  block(e.act, e.M, e.I, e.down + h0 * e.I, e.I, 0, w, y, w);
+  for (int64_t m = 0; m < e.M; ++m) {
+    float* o = out + e.token[m] * H + h0;
+    const float c = e.weight[m];
+    for (int64_t h = 0; h < w; ++h) o[h] += c * y[m * w + h];
+  }
+}
+
+// Cut [0, n) into `parts` near-equal ranges.
+void cut(std::vector<Piece>& pieces, int64_t expert, int64_t n, int64_t parts, bool down) {
+  for (int64_t p = 0; p < parts; ++p) pieces.push_back({expert, n * p / parts, n * (p + 1) / parts, down});
+}
+
+}  // namespace
+
 at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::Tensor down,
                          int64_t top_k, at::Tensor sh_gate, at::Tensor sh_up, at::Tensor sh_down,
-                         at::Tensor sh_expert_gate) {
+                         at::Tensor sh_expert_gate, int64_t pieces_per_expert) {
   for (auto* t : {&x, &router, &gate_up, &down, &sh_gate, &sh_up, &sh_down, &sh_expert_gate})
     check(*t, "MoE decode tensors");
   const int64_t N = x.size(0), H = x.size(1), E = router.size(0), I = down.size(2), Is = sh_gate.size(0);
@@ -63,49 +116,58 @@ at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::T
   }
   auto xs = at::empty({S, H}, opt);
   float* xsp = xs.data_ptr<float>();
-  for (int64_t s = 0; s < S; ++s) std::copy(xp + (s / top_k) * H, xp + (s / top_k + 1) * H, xsp + slot[s] * H);
-
-  // 3. gate_up of the selected experts, gate and up of the shared expert
-  auto gu = at::empty({S, 2 * I}, opt), sgu = at::empty({2, N, Is}, opt);
-  float *gup = gu.data_ptr<float>(), *sgp = sgu.data_ptr<float>(), *sup = sgp + N * Is;
-  std::vector<Product> products;
-  for (int64_t e = 0; e < E; ++e)
-    if (count[e])
-      products.push_back({xsp + start[e] * H, count[e], H, gate_up.data_ptr<float>() + e * 2 * I * H, 2 * I, H,
-                          gup + start[e] * 2 * I});
-  products.push_back({xp, N, H, sh_gate.data_ptr<float>(), Is, H, sgp});
-  products.push_back({xp, N, H, sh_up.data_ptr<float>(), Is, H, sup});
-  run_products(products);
-  auto act = at::empty({S, I}, opt);
-  float* ap = act.data_ptr<float>();
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t i = 0; i < I; ++i) ap[s * I + i] = silu(gup[s * 2 * I + i]) * gup[s * 2 * I + I + i];
-  for (int64_t i = 0; i < N * Is; ++i) sgp[i] = silu(sgp[i]) * sup[i];
-
-  // 4. down products
-  auto ys = at::empty({S, H}, opt), shared = at::empty({N, H}, opt);
-  float *ysp = ys.data_ptr<float>(), *shp = shared.data_ptr<float>();
-  products.clear();
-  for (int64_t e = 0; e < E; ++e)
-    if (count[e])
-      products.push_back({ap + start[e] * I, count[e], I, down.data_ptr<float>() + e * H * I, H, I, ysp + start[e] * H});
-  products.push_back({sgp, N, Is, sh_down.data_ptr<float>(), H, Is, shp});
-  run_products(products);
-
-  // 5. weighted sum of the chosen experts, plus the gated shared expert
-  auto out = at::empty({N, H}, opt);
-  float* op = out.data_ptr<float>();
-  const float* glp = gate_logit.data_ptr<float>();
-  for (int64_t n = 0; n < N; ++n) {
-    float* o = op + n * H;
-    std::fill(o, o + H, 0.f);
-    for (int64_t k = 0; k < top_k; ++k) {
-      const float w = weight[n * top_k + k];
-      const float* y = ysp + slot[n * top_k + k] * H;
-      for (int64_t h = 0; h < H; ++h) o[h] += w * y[h];
-    }
-    const float g = sigmoid(glp[n]);
-    for (int64_t h = 0; h < H; ++h) o[h] += g * shp[n * H + h];
+  std::vector<int64_t> row_token(S);
+  std::vector<float> row_weight(S);
+  for (int64_t s = 0; s < S; ++s) {
+    std::copy(xp + (s / top_k) * H, xp + (s / top_k + 1) * H, xsp + slot[s] * H);
+    row_token[slot[s]] = s / top_k;
+    row_weight[slot[s]] = weight[s];
   }
-  return out;
+
+  // 3. the experts: the shared one first (all rows), then the selected ones, most rows first
+  std::vector<int64_t> tokens(N);
+  std::iota(tokens.begin(), tokens.end(), 0);
+  std::vector<float> shared_weight(N);
+  const float* glp = gate_logit.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n) shared_weight[n] = sigmoid(glp[n]);
+  std::vector<int64_t> hit;
+  for (int64_t e = 0; e < E; ++e)
+    if (count[e]) hit.push_back(e);
+  std::stable_sort(hit.begin(), hit.end(), [&](int64_t a, int64_t b) { return count[a] > count[b]; });
+  auto acts = at::empty({N * Is + S * I}, opt);
+  float* actp = acts.data_ptr<float>();
+  std::vector<std::atomic<int64_t>> ready(hit.size() + 1);
+  for (auto& r : ready) r.store(0);
+  std::vector<Expert> experts{{xp, N, sh_gate.data_ptr<float>(), sh_up.data_ptr<float>(), sh_down.data_ptr<float>(),
+                               Is, actp, tokens.data(), shared_weight.data(), &ready[0]}};
+  const float *gup = gate_up.data_ptr<float>(), *dp = down.data_ptr<float>();
+  for (size_t j = 0; j < hit.size(); ++j) {
+    const int64_t e = hit[j];
+    experts.push_back({xsp + start[e] * H, count[e], gup + e * 2 * I * H, gup + (e * 2 + 1) * I * H, dp + e * H * I,
+                       I, actp + N * Is + start[e] * I, row_token.data() + start[e], row_weight.data() + start[e],
+                       &ready[j + 1]});
+  }
+  const int64_t parts = std::max<int64_t>(1, pieces_per_expert);
+  std::vector<Piece> pieces;
+  for (size_t j = 0; j < experts.size(); ++j) cut(pieces, j, experts[j].I, parts, false);
+  for (size_t j = 0; j < experts.size(); ++j) cut(pieces, j, H, parts, true);
+
+  const int64_t T = at::get_num_threads();
+  auto partial = at::zeros({T, N, H}, opt);  // each thread's share of the output
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t) {
+    std::vector<float> scratch(2 * 8 * std::max(std::max(I, Is), H));
+    float* out = partial.data_ptr<float>() + t0 * N * H;
+    for (int64_t p = next++; p < (int64_t)pieces.size(); p = next++) {
+      const Piece& piece = pieces[p];
+      const Expert& e = experts[piece.expert];
+      if (!piece.down) {
+        gate_up_piece(e, piece.begin, piece.end, H, scratch.data());
+        continue;
+      }
+      while (e.ready->load(std::memory_order_acquire) < parts) std::this_thread::yield();  // gate/up still running
+      down_piece(e, piece.begin, piece.end, H, out, scratch.data());
+    }
+  });
+  return partial.sum(0);
 }

@@ -97,8 +97,8 @@ def _both_paths(monkeypatch, run):
     return run(), reference
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 20, 100])  # decode (one fused call) and prefill (expert_mlp)
-def test_fused_moe_block_equals_reference(monkeypatch, rows):
+@pytest.mark.parametrize("rows,pieces", [(1, 1), (3, 1), (3, 3), (8, 2), (20, 1), (100, 1)])  # decode; prefill
+def test_fused_moe_block_equals_reference(monkeypatch, rows, pieces):
     from lm.config import TextConfig
     from lm.moe import SparseMoeBlock
     from tests import tiny
@@ -107,6 +107,7 @@ def test_fused_moe_block_equals_reference(monkeypatch, rows):
     block = _perturbed(SparseMoeBlock(config), rows)
     x = torch.randn(rows, 1, config.hidden_size, generator=torch.Generator().manual_seed(1))
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    monkeypatch.setattr(kernels, "MOE_PIECES", pieces)  # experts cut into pieces (uneven: 3 into 32 and 48)
     if rows <= kernels.MAX_ROWS:
         assert kernels.moe_decode(x[:, 0], block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj,
                                   4, block.shared_expert.gate_proj.weight, block.shared_expert.up_proj.weight,
