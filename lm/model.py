@@ -8,6 +8,7 @@ from torch import nn
 from .attention import attention_mask_for
 from .cache import Cache
 from .config import TextConfig
+from .decode import decode_layers
 from .decoder import DecoderLayer
 from .linear import Linear
 from .norm import RMSNorm
@@ -27,6 +28,8 @@ class TextModel(nn.Module):
         """x [B, T, hidden] embeddings; positions [3, B, T]; the cache already has the T positions reserved."""
         rope = self.rotary_emb(positions, x.dtype)
         attn_mask = attention_mask_for(cache, x.shape[1])
+        if x.shape[1] == 1 and real is None and (out := decode_layers(self, x, cache, rope, attn_mask)) is not None:
+            return out  # one token per row on CPU: the same maths with the kernels called directly
         for i, layer in enumerate(self.layers):
             x = layer(x, cache.slots[i], rope, attn_mask, real)
         return self.norm(x)

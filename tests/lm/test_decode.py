@@ -1,0 +1,51 @@
+"""The CPU decode fast path (lm/decode.py) against the layer-by-layer reference path."""
+
+import pytest
+import torch
+
+import lm.model
+import mm
+from tests.conftest import rel_err
+
+
+def _decode_logits(model, ids, steps: int) -> torch.Tensor:
+    """Prefill ids[:, :-steps], then one token per row per step: logits [B, T, V]."""
+    cache = model.lm.make_cache(ids.shape[0], ids.shape[1])
+    prompt = ids.shape[1] - steps
+    with torch.no_grad():
+        out = [model.lm(ids[:, :prompt], cache=cache)]
+        out += [model.lm(ids[:, i : i + 1], cache=cache) for i in range(prompt, ids.shape[1])]
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("kind", ["moe_text", "dense_vl"])
+def test_fast_decode_equals_reference_layers(checkpoints, monkeypatch, kind):
+    _, path = checkpoints(kind)
+    model = mm.load_model(path)
+    ids = torch.randint(3, 500, (3, 14), generator=torch.Generator().manual_seed(11))
+    used = []
+    fast = lm.model.decode_layers
+
+    def counting(*args):
+        out = fast(*args)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(lm.model, "decode_layers", counting)
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    ours = _decode_logits(model, ids, steps=6)
+    assert used == [True] * 6  # every decode step took the fast path
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "0")  # the reference layers, no kernels at all
+    reference = _decode_logits(model, ids, steps=6)
+    assert used[6:] == [False] * 6
+    assert rel_err(ours, reference) < 1e-5
+
+
+def test_fast_decode_steps_aside_when_it_does_not_apply(checkpoints, monkeypatch):
+    _, path = checkpoints("moe_text")
+    model = mm.load_model(path)
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    cache = model.lm.make_cache(9, 2)
+    x = torch.randn(9, 1, model.lm.config.hidden_size)  # more rows than the decode kernels take
+    assert lm.model.decode_layers(model.lm.model, x, cache, None, None) is None
+    assert lm.model.decode_layers(model.lm.model, x[:2].double(), cache, None, None) is None
