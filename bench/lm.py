@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+import lm.model
 from bench.limits import best_time, matmul_flops, memory_read_bandwidth
 from lm import SamplingParams, stream_generate
 from lm.delta_rule import CHUNK_SIZE
@@ -95,12 +96,15 @@ def decode_flops(model, batch: int) -> float:
 
 class ExpertCounter:
     """Counts distinct experts per MoE block call in decode steps, recomputing the routing in a
-    forward pre-hook (use it on an untimed run: the decode path may route inside a fused kernel)."""
+    forward pre-hook. Use it on an untimed run: while it counts, decode steps go through the layer
+    modules (the fast path of lm/decode.py calls the kernels without them, so no hook would run)."""
 
     def __init__(self, model):
         self.counts: list[int] = []
         self.hooks = [m.register_forward_pre_hook(self._hook) for n, m in model.lm.named_modules()
                       if n.endswith(".mlp") and hasattr(m, "gate")]
+        self._fast = lm.model.decode_layers
+        lm.model.decode_layers = lambda *args: None  # "does not apply": TextModel runs its layers
 
     def _hook(self, module, args):
         x = args[0].reshape(-1, args[0].shape[-1])
@@ -114,6 +118,7 @@ class ExpertCounter:
     def close(self):
         for h in self.hooks:
             h.remove()
+        lm.model.decode_layers = self._fast
 
 
 # ---------------------------------------------------------------- timings
