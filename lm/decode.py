@@ -30,7 +30,7 @@ def decode_layers(model, x: torch.Tensor, cache: Cache, rope, attn_mask) -> torc
         norm = layer.input_layernorm
         n = k.rms_norm(h, norm.weight, norm.eps, 1.0)
         if layer.layer_type == "linear_attention":
-            h = h + _deltanet(k, layer.linear_attn, n, slot)
+            h = h + deltanet_token(k, layer.linear_attn, n, slot)
         else:
             h = h + layer.self_attn(n[:, None], rope, slot, attn_mask)[:, 0]
         norm = layer.post_attention_layernorm
@@ -46,8 +46,10 @@ def decode_layers(model, x: torch.Tensor, cache: Cache, rope, attn_mask) -> torc
     return k.rms_norm(h, model.norm.weight, model.norm.eps, 1.0)[:, None]
 
 
-def _deltanet(k, layer, x: torch.Tensor, slot) -> torch.Tensor:
-    """GatedDeltaNet.forward for one token per row x [B, hidden] (see its `_decode_fused`)."""
+def deltanet_token(k, layer, x: torch.Tensor, slot) -> torch.Tensor:
+    """`GatedDeltaNet.forward` of one token per row x [B, hidden] through the kernel module `k`: the
+    four input projections in one call, then conv, norms, gates, recurrence and gated norm in one
+    (delta_step.cpp; value head dims divisible by 16), then out_proj. Updates the slot in place."""
     qkv, z, b, a = k.multi_linear(x, [layer.in_proj_qkv.weight, layer.in_proj_z.weight,
                                       layer.in_proj_b.weight, layer.in_proj_a.weight])
     conv = layer.conv1d.weight

@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
 from .cache import LinearSlot
 from .config import TextConfig
 from .delta_rule import chunked_gated_delta_rule, gated_delta_step
@@ -51,8 +50,6 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, slot: LinearSlot, real: torch.Tensor | None) -> torch.Tensor:
         """x [B, T, hidden]; `real` [B, T] bool marks non-padding tokens (None: all real)."""
         b, t, _ = x.shape
-        if t == 1 and real is None and (out := self._decode_fused(x, slot)) is not None:
-            return out
         if real is not None:  # padding contributes nothing to the conv window or the state
             x = x * real[..., None].to(x.dtype)
         qkv, slot.conv = causal_conv(self.in_proj_qkv(x), slot.conv, self.conv1d.weight[:, 0])
@@ -69,18 +66,3 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).reshape(b, t, self.num_v_heads, self.head_v_dim)
         out = self.norm(out, z).reshape(b, t, self.value_dim)
         return self.out_proj(out)
-
-    def _decode_fused(self, x: torch.Tensor, slot: LinearSlot) -> torch.Tensor | None:
-        """One token per row through the CPU kernels: the four input projections in one call, then
-        everything up to out_proj in another (same maths as `forward`); None when they do not apply."""
-        projections = kernels.multi_linear(
-            x, [self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight, self.in_proj_a.weight]
-        )
-        if projections is None:
-            return None
-        qkv, z, b, a = projections
-        out = kernels.gdn_decode(qkv, z, b, a, slot.conv, slot.recurrent, self.conv1d.weight, self.A_log,
-                                 self.dt_bias, self.norm.weight, self.norm.eps, self.num_k_heads)
-        if out is None:
-            return None
-        return self.out_proj(out).view(x.shape)

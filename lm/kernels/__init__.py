@@ -4,6 +4,7 @@ Decode: bandwidth-bound products of a few rows with large weights (small_m_linea
 decode-time blocks fused into one call each, because at decode sizes the fixed cost of each tensor
 operation outweighs its arithmetic: a DeltaNet token step (delta_step.cpp), a MoE block
 (moe_decode.cpp), attention over the KV cache (decode_attention.cpp), RMS norms (norms.cpp).
+lm/decode.py calls these directly for a whole decode step; the wrappers below serve the layers.
 Prefill: the routed experts one per thread (expert_mlp.cpp) and the chunked delta rule with heads
 side by side (chunked_delta_rule.cpp), where many small GEMMs run better single-threaded in parallel.
 
@@ -183,15 +184,3 @@ def moe_decode(x, router, gate_up, down, top_k, shared_gate, shared_up, shared_d
         return None
     return k.moe_decode(x.contiguous(), router, gate_up, down, top_k, shared_gate, shared_up, shared_down,
                         shared_expert_gate, MOE_PIECES)
-
-
-def gdn_decode(qkv, z, b, a, window, state, conv_weight, A_log, dt_bias, norm_weight, eps: float, num_k_heads: int):
-    """A Gated DeltaNet decode token from its input projections (qkv [B, C], z [B, Hv*Dv], b, a [B, Hv])
-    to the input of out_proj [B, Hv*Dv]: conv, q/k norms, gates, recurrence, gated RMSNorm (see
-    delta_step.cpp). Updates `window` [B, K-1, C] and `state` [B, Hv, Dk, Dv] in place. None when n/a."""
-    if state.shape[-1] % 16 or not (window.is_contiguous() and state.is_contiguous()) or (k := _fusable(qkv)) is None:
-        return None
-    rows = qkv.shape[0]
-    return k.gdn_decode(qkv.view(rows, -1), z.view(rows, -1), b.view(rows, -1), a.view(rows, -1), window,
-                        conv_weight.view(conv_weight.shape[0], -1), A_log, dt_bias, state, norm_weight, eps,
-                        num_k_heads)
