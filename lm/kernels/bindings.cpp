@@ -19,6 +19,10 @@ torch::Tensor expert_mlp(torch::Tensor x, torch::Tensor gate_up, torch::Tensor d
 std::vector<torch::Tensor> chunked_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
                                               torch::Tensor beta, torch::Tensor state, int64_t chunk);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor keep, double scale);
+torch::Tensor attention_token(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_norm_w,
+                              torch::Tensor k_norm_w, double eps, torch::Tensor cos, torch::Tensor sin,
+                              torch::Tensor k_cache, torch::Tensor v_cache, int64_t pos, torch::Tensor keep,
+                              double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, double offset);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -31,5 +35,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("expert_mlp", &expert_mlp, "per-expert SwiGLU over rows grouped by expert (prefill)");
   m.def("chunked_delta_rule", &chunked_delta_rule, "chunked gated delta rule, heads side by side (prefill)");
   m.def("decode_attention", &decode_attention, "one query token per row over the KV cache (GQA)");
+  m.def("attention_token", &attention_token, "a gated attention layer for one token per row, projections to o_proj");
   m.def("rms_norm", &rms_norm, "x / rms(x) * (offset + w) per row");
 }

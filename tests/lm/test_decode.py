@@ -49,3 +49,27 @@ def test_fast_decode_steps_aside_when_it_does_not_apply(checkpoints, monkeypatch
     x = torch.randn(9, 1, model.lm.config.hidden_size)  # more rows than the decode kernels take
     assert lm.model.decode_layers(model.lm.model, x, cache, None, None) is None
     assert lm.model.decode_layers(model.lm.model, x[:2].double(), cache, None, None) is None
+
+
+def test_fast_decode_after_a_left_padded_prompt_equals_reference(checkpoints, monkeypatch):
+    """Padding in the cache: the attention kernel gets the key mask, padded keys stay unseen."""
+    _, path = checkpoints("moe_vl")
+    model = mm.load_model(path)
+    ids = torch.randint(3, 500, (2, 10), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :3] = 0
+
+    def run():
+        cache = model.lm.make_cache(2, 10)
+        with torch.no_grad():
+            out = [model.lm(ids[:, :6], attention_mask=mask, cache=cache)[:, -1:]]
+            positions = mask.sum(-1)  # next text position of each row
+            for i in range(6, 10):
+                pos = (positions + i - 6)[None, :, None].expand(3, -1, 1)
+                out.append(model.lm(ids[:, i : i + 1], positions=pos, cache=cache))
+        return torch.cat(out, 1)
+
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    ours = run()
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "0")
+    assert rel_err(ours, run()) < 1e-5
