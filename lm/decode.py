@@ -71,6 +71,7 @@ def attention_token(k, layer, x: torch.Tensor, slot, rope, mask: torch.Tensor | 
         return layer(x[:, None], rope, slot, mask)[:, 0]
     q, key, value = k.multi_linear(x, [layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight])
     cos, sin = rope  # [B, 1, R]
+    # q_norm and k_norm share the config's rms_norm_eps, so the kernel takes one eps
     keep = _NO_MASK if mask is None else mask.reshape(x.shape[0], -1)
     out = k.attention_token(q, key, value, layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps, cos[:, 0],
                             sin[:, 0], slot.k, slot.v, slot.cache.length, keep, layer.head_dim**-0.5)
