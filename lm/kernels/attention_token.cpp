@@ -16,10 +16,7 @@ namespace {
 // y[i] = y[i] cos[i] - y[i + R/2] sin[i] and y[i + R/2] = y[i + R/2] cos[i + R/2] + y[i] sin[i + R/2].
 void norm_rotate(const float* x, const float* w, float eps, const float* cos, const float* sin, int64_t R, int64_t D,
                  float* y) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < D; ++i) ss += x[i] * x[i];
-  const float inv = 1.f / std::sqrt(ss / float(D) + eps);
-  for (int64_t i = 0; i < D; ++i) y[i] = x[i] * inv * (1.f + w[i]);
+  rms_norm_row(x, w, eps, 1.f, D, y);
   const int64_t h = R / 2;
   for (int64_t i = 0; i < h; ++i) {
     const float a = y[i], b = y[i + h];

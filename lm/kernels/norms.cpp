@@ -16,13 +16,7 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps, double offset) {
   float* yp = y.data_ptr<float>();
   const float off = float(offset);
   at::parallel_for(0, R, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = xp + r * ldx;
-      float ss = 0.f;
-      for (int64_t i = 0; i < D; ++i) ss += xr[i] * xr[i];
-      const float inv = 1.f / std::sqrt(ss / float(D) + float(eps));
-      for (int64_t i = 0; i < D; ++i) yp[r * D + i] = xr[i] * inv * (off + wp[i]);
-    }
+    for (int64_t r = r0; r < r1; ++r) rms_norm_row(xp + r * ldx, wp, float(eps), off, D, yp + r * D);
   });
   return y;
 }

@@ -154,6 +154,14 @@ inline void check(const at::Tensor& t, const char* name) {
 }
 
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+
+// One row of an RMS norm: y = x / rms(x) * (offset + w) over D floats.
+inline void rms_norm_row(const float* x, const float* w, float eps, float offset, int64_t D, float* y) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < D; ++i) ss += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(ss / float(D) + eps);
+  for (int64_t i = 0; i < D; ++i) y[i] = x[i] * inv * (offset + w[i]);
+}
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 
 }  // namespace qwen35
