@@ -4,9 +4,9 @@ A decode step of the layer-by-layer path spends about 1 ms in Python around its 
 module calls, ~700 attribute look-ups, views and argument checks): 5-10% of a batch-1 step of the
 benchmark model. This loop does the same maths with the same kernels and little else: per Gated
 DeltaNet layer a norm, the input projections, the fused DeltaNet token step, out_proj, a norm and
-the fused MoE block; per attention layer the projections, one fused call from q/k/v to the gated
-attention output (attention_token.cpp) and o_proj (dense MLPs go through their module, which uses
-the kernels too). It applies to float32 CPU activations with the kernels on (`QWEN35_CPU_KERNELS`),
+the MoE block's fused call; per attention layer the layer's projections, one fused call from q/k/v
+to the gated attention output (attention_token.cpp) and o_proj (dense MLPs go through their module,
+which uses the kernels too). It applies to float32 CPU activations with the kernels on (`QWEN35_CPU_KERNELS`),
 at most `kernels.MAX_ROWS` rows and DeltaNet value heads the fused step supports; the caller falls
 back to the layers otherwise. tests/lm/test_decode.py checks it against the reference path.
 """
@@ -37,13 +37,8 @@ def decode_layers(model, x: torch.Tensor, cache: Cache, rope, attn_mask) -> torc
         norm = layer.post_attention_layernorm
         n = k.rms_norm(h, norm.weight, norm.eps, 1.0)
         mlp = layer.mlp
-        if isinstance(mlp, SparseMoeBlock) and mlp.experts.grouped:
-            shared = mlp.shared_expert
-            h = h + k.moe_decode(n, mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj,
-                                 mlp.gate.top_k, shared.gate_proj.weight, shared.up_proj.weight,
-                                 shared.down_proj.weight, mlp.shared_expert_gate.weight, kernels.MOE_PIECES)
-        else:
-            h = h + mlp(n)
+        out = mlp.fused(n) if isinstance(mlp, SparseMoeBlock) else None
+        h = h + (mlp(n) if out is None else out)
     return k.rms_norm(h, model.norm.weight, model.norm.eps, 1.0)[:, None]
 
 
@@ -64,15 +59,15 @@ _NO_MASK = torch.empty(0, dtype=torch.bool)
 
 def attention_token(k, layer, x: torch.Tensor, slot, rope, mask: torch.Tensor | None) -> torch.Tensor:
     """`GatedAttention.forward` of one token per row x [B, hidden] through the kernel module `k`:
-    q/k/v projections in one call, then q/k norms, rotary, the KV cache write, attention and the
-    output gate in one (attention_token.cpp), then o_proj. Projection biases or a query/KV head
-    ratio the attention kernel does not take go through the module instead."""
-    if layer.q_proj.bias is not None or layer.num_heads // layer.num_kv_heads not in (1, 2, 4, 8, 16):
+    the layer's q/k/v projections, then q/k norms, rotary, the KV cache write, attention and the
+    output gate in one call (attention_token.cpp), then o_proj. A query/KV head ratio the attention
+    kernel does not take goes through the module instead."""
+    if layer.num_heads // layer.num_kv_heads not in kernels.ATTENTION_GROUPS:
         return layer(x[:, None], rope, slot, mask)[:, 0]
-    q, key, value = k.multi_linear(x, [layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight])
+    q, key, value = layer.project(x)
     cos, sin = rope  # [B, 1, R]
     # q_norm and k_norm share the config's rms_norm_eps, so the kernel takes one eps
     keep = _NO_MASK if mask is None else mask.reshape(x.shape[0], -1)
     out = k.attention_token(q, key, value, layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps, cos[:, 0],
                             sin[:, 0], slot.k, slot.v, slot.cache.length, keep, layer.head_dim**-0.5)
-    return k.small_m_linear(out, layer.o_proj.weight)
+    return layer.o_proj(out)

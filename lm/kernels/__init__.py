@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 MAX_ROWS = 8  # decode batches; larger products go to MKL's GEMM, which is efficient there
 MIN_WEIGHT_ELEMENTS = 1 << 16  # smaller weights stay in cache: no bandwidth to win, only call overhead
+ATTENTION_GROUPS = (1, 2, 4, 8, 16)  # query heads per KV head that the decode attention kernel takes
 MOE_PIECES = 1  # moe_decode's parallel pieces per expert gate/up and per down (1 measured best at 2 threads)
 
 _lock = threading.Lock()
@@ -136,7 +137,7 @@ def decode_attention(q, k, v, mask, scale: float) -> torch.Tensor | None:
     [B, 1, 1, L] (True = attend) or None -> [B, H, 1, D], the cache read once; None when n/a."""
     b, h, _, d = q.shape
     rows_contiguous = k.stride(-1) == v.stride(-1) == 1 and k.stride(2) == v.stride(2) == d
-    if not rows_contiguous or h // k.shape[1] not in (1, 2, 4, 8, 16):
+    if not rows_contiguous or h // k.shape[1] not in ATTENTION_GROUPS:
         return None
     if (kernel := _fusable(q)) is None:
         return None
