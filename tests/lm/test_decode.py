@@ -73,3 +73,27 @@ def test_fast_decode_after_a_left_padded_prompt_equals_reference(checkpoints, mo
     ours = run()
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "0")
     assert rel_err(ours, run()) < 1e-5
+
+
+def test_fast_decode_with_attention_biases_equals_reference(monkeypatch):
+    """q/k/v/o projection biases (attention_bias=True) go through the layer's own projections."""
+    from lm.config import TextConfig
+    from lm.model import CausalLM
+    from tests import tiny
+
+    config = TextConfig.from_hf(tiny.text_config(True, attention_bias=True))
+    lm_model = CausalLM(config).eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in lm_model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    assert lm_model.model.layers[3].self_attn.q_proj.bias is not None
+
+    class Wrapped:  # _decode_logits takes a loaded model (model.lm)
+        lm = lm_model
+
+    ids = torch.randint(3, 500, (2, 9), generator=g)
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    ours = _decode_logits(Wrapped, ids, steps=4)
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "0")
+    assert rel_err(ours, _decode_logits(Wrapped, ids, steps=4)) < 1e-5
