@@ -4,11 +4,10 @@
 // over the cache, decode_attention.cpp), and the sigmoid output gate. Same maths as
 // lm/attention.py's GatedAttention.forward with T = 1.
 
+#include "kernels.h"
 #include "vec.h"
 
 using namespace qwen35;
-
-at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor keep, double scale);
 
 namespace {
 

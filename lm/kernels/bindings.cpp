@@ -2,28 +2,7 @@
 
 #include <torch/extension.h>
 
-#include <vector>
-
-torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor W);
-std::vector<torch::Tensor> multi_linear(torch::Tensor x, std::vector<torch::Tensor> weights);
-torch::Tensor grouped_linear(torch::Tensor x, torch::Tensor W, torch::Tensor experts, torch::Tensor offsets);
-torch::Tensor gated_delta_step(torch::Tensor state, torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                               torch::Tensor decay, torch::Tensor beta);
-torch::Tensor gdn_decode(torch::Tensor qkv, torch::Tensor z, torch::Tensor b_in, torch::Tensor a_in,
-                         torch::Tensor window, torch::Tensor conv_w, torch::Tensor A_log, torch::Tensor dt_bias,
-                         torch::Tensor state, torch::Tensor norm_w, double eps, int64_t num_k_heads);
-torch::Tensor moe_decode(torch::Tensor x, torch::Tensor router, torch::Tensor gate_up, torch::Tensor down,
-                         int64_t top_k, torch::Tensor sh_gate, torch::Tensor sh_up, torch::Tensor sh_down,
-                         torch::Tensor sh_expert_gate, int64_t pieces_per_expert);
-torch::Tensor expert_mlp(torch::Tensor x, torch::Tensor gate_up, torch::Tensor down, torch::Tensor offsets);
-std::vector<torch::Tensor> chunked_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
-                                              torch::Tensor beta, torch::Tensor state, int64_t chunk);
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor keep, double scale);
-torch::Tensor attention_token(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_norm_w,
-                              torch::Tensor k_norm_w, double eps, torch::Tensor cos, torch::Tensor sin,
-                              torch::Tensor k_cache, torch::Tensor v_cache, int64_t pos, torch::Tensor keep,
-                              double scale);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, double offset);
+#include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_m_linear", &small_m_linear, "y = x W^T for few rows of x (float32, CPU)");
@@ -37,4 +16,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one query token per row over the KV cache (GQA)");
   m.def("attention_token", &attention_token, "a gated attention layer for one token per row, projections to o_proj");
   m.def("rms_norm", &rms_norm, "x / rms(x) * (offset + w) per row");
+  py::class_<DecodePlan>(m, "DecodePlan", "a whole decode step through the layer stack (see kernels.h)")
+      .def(py::init<double>())
+      .def("add_deltanet", &DecodePlan::add_deltanet)
+      .def("add_attention", &DecodePlan::add_attention)
+      .def("add_moe", &DecodePlan::add_moe)
+      .def("add_dense_mlp", &DecodePlan::add_dense_mlp)
+      .def("set_final_norm", &DecodePlan::set_final_norm)
+      .def("run", &DecodePlan::run);
 }

@@ -51,6 +51,20 @@ def test_fast_decode_steps_aside_when_it_does_not_apply(checkpoints, monkeypatch
     assert lm.model.decode_layers(model.lm.model, x[:2].double(), cache, None, None) is None
 
 
+def test_fast_decode_steps_aside_for_a_head_ratio_the_attention_kernel_does_not_take(monkeypatch):
+    from lm.config import TextConfig
+    from lm.model import CausalLM
+    from tests import tiny
+
+    config = TextConfig.from_hf(tiny.text_config(True, num_attention_heads=6))  # 3 query heads per KV head
+    assert 3 not in lm.kernels.ATTENTION_GROUPS
+    model = CausalLM(config).eval()
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    cache = model.make_cache(1, 4)
+    x = torch.randn(1, 1, config.hidden_size)
+    assert lm.model.decode_layers(model.model, x, cache, None, None) is None
+
+
 def test_fast_decode_after_a_left_padded_prompt_equals_reference(checkpoints, monkeypatch):
     """Padding in the cache: the attention kernel gets the key mask, padded keys stay unseen."""
     _, path = checkpoints("moe_vl")

@@ -124,7 +124,6 @@ def test_fused_moe_block_equals_reference(monkeypatch, rows, pieces):
 def test_fused_deltanet_decode_equals_reference(monkeypatch, rows, value_dim):
     from lm.cache import LinearSlot
     from lm.config import TextConfig
-    from lm.decode import deltanet_token
     from lm.gated_deltanet import GatedDeltaNet
     from tests import tiny
 
@@ -145,7 +144,17 @@ def test_fused_deltanet_decode_equals_reference(monkeypatch, rows, value_dim):
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "0")
     reference = run(lambda x, slot: layer(x[:, None], slot, None)[:, 0])  # the module, reference maths
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
-    ours = run(lambda x, slot: deltanet_token(kernels._kernels(), layer, x, slot))
+    k = kernels._kernels()
+
+    def fused(x, slot):  # as decode_step.cpp runs a DeltaNet layer: projections, token step, out_proj
+        qkv, z, b, a = k.multi_linear(x, [layer.in_proj_qkv.weight, layer.in_proj_z.weight, layer.in_proj_b.weight,
+                                          layer.in_proj_a.weight])
+        conv = layer.conv1d.weight.view(conv_dim, -1)
+        out = k.gdn_decode(qkv, z, b, a, slot.conv, conv, layer.A_log, layer.dt_bias, slot.recurrent,
+                           layer.norm.weight, layer.norm.eps, layer.num_k_heads)
+        return k.small_m_linear(out, layer.out_proj.weight)
+
+    ours = run(fused)
     for a, b in zip(ours, reference):
         assert rel_err(a, b) < 1e-5
 

@@ -1,0 +1,64 @@
+// The kernels' entry points, for the Python bindings (bindings.cpp) and for kernels that call
+// other kernels (the decode step, the attention token).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+at::Tensor small_m_linear(at::Tensor x, at::Tensor W);
+std::vector<at::Tensor> multi_linear(at::Tensor x, std::vector<at::Tensor> weights);
+at::Tensor grouped_linear(at::Tensor x, at::Tensor W, at::Tensor experts, at::Tensor offsets);
+at::Tensor gated_delta_step(at::Tensor state, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor decay,
+                            at::Tensor beta);
+at::Tensor gdn_decode(at::Tensor qkv, at::Tensor z, at::Tensor b_in, at::Tensor a_in, at::Tensor window,
+                      at::Tensor conv_w, at::Tensor A_log, at::Tensor dt_bias, at::Tensor state, at::Tensor norm_w,
+                      double eps, int64_t num_k_heads);
+at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::Tensor down, int64_t top_k,
+                      at::Tensor sh_gate, at::Tensor sh_up, at::Tensor sh_down, at::Tensor sh_expert_gate,
+                      int64_t pieces_per_expert);
+at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Tensor offsets);
+std::vector<at::Tensor> chunked_delta_rule(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
+                                           at::Tensor state, int64_t chunk);
+at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor keep, double scale);
+at::Tensor attention_token(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor q_norm_w, at::Tensor k_norm_w,
+                           double eps, at::Tensor cos, at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
+                           int64_t pos, at::Tensor keep, double scale);
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps, double offset);
+
+// A whole decode step through the layer stack, one token per row (decode_step.cpp). lm/decode.py
+// adds the layers' weights once per generation, in layer order: each layer's mixer (add_deltanet or
+// add_attention), then its MLP (add_moe or add_dense_mlp); then the final norm. Every RMS norm of
+// the model uses the one `eps` (the config's rms_norm_eps).
+class DecodePlan {
+ public:
+  explicit DecodePlan(double eps) : eps_(eps) {}
+  void add_deltanet(at::Tensor input_norm, at::Tensor in_proj_qkv, at::Tensor in_proj_z, at::Tensor in_proj_b,
+                    at::Tensor in_proj_a, at::Tensor conv, at::Tensor A_log, at::Tensor dt_bias, at::Tensor norm,
+                    at::Tensor out_proj, int64_t num_k_heads);
+  // biases: q, k, v, o projections' biases, an empty tensor where a projection has none
+  void add_attention(at::Tensor input_norm, at::Tensor q_proj, at::Tensor k_proj, at::Tensor v_proj,
+                     at::Tensor o_proj, std::vector<at::Tensor> biases, at::Tensor q_norm, at::Tensor k_norm,
+                     double scale);
+  void add_moe(at::Tensor post_norm, at::Tensor router, at::Tensor gate_up, at::Tensor down, int64_t top_k,
+               at::Tensor shared_gate, at::Tensor shared_up, at::Tensor shared_down, at::Tensor shared_expert_gate,
+               int64_t pieces_per_expert);
+  void add_dense_mlp(at::Tensor post_norm, at::Tensor gate, at::Tensor up, at::Tensor down);
+  void set_final_norm(at::Tensor norm) { final_norm_ = norm; }
+  // x [B, hidden] token embeddings; states: two per layer, (conv window, recurrent state) or
+  // (k cache, v cache); cos, sin [B, R] rotary angles; keep [B, pos + 1] bool or empty (no mask);
+  // pos the cache position of this token. Returns the final-normed hidden states [B, hidden].
+  at::Tensor run(at::Tensor x, std::vector<at::Tensor> states, at::Tensor cos, at::Tensor sin, at::Tensor keep,
+                 int64_t pos) const;
+
+ private:
+  struct Layer {
+    bool deltanet = false, moe = false;
+    std::vector<at::Tensor> mixer, mlp;  // weights in the order of the add_* arguments
+    int64_t num_k_heads = 0, top_k = 0, pieces = 1;
+    double scale = 0;
+  };
+  std::vector<Layer> layers_;
+  at::Tensor final_norm_;
+  double eps_;
+};
