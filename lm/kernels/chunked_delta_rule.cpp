@@ -41,7 +41,10 @@ std::vector<at::Tensor> chunked_delta_rule(at::Tensor q, at::Tensor k, at::Tenso
       auto k_beta = kh * bh;
       auto system = at::bmm(k_beta, kh.transpose(1, 2)).mul_(decay).tril_(-1).add_(eye);
       auto rhs = at::cat({vh * bh, k_beta * gamma.exp().unsqueeze(-1)}, -1);
-      auto sol = at::linalg_solve_triangular(system, rhs, /*upper=*/false, /*left=*/true, /*unitriangular=*/true);
+      // solve against the identity (C right-hand sides, not Dv + Dk), then one batched product
+      auto inverse = at::linalg_solve_triangular(system, eye.expand({N, C, C}), /*upper=*/false, /*left=*/true,
+                                                 /*unitriangular=*/true);
+      auto sol = at::bmm(inverse, rhs);
       auto u = sol.narrow(-1, 0, Dv), w = sol.narrow(-1, Dv, Dk);
       auto intra = at::bmm(qh, kh.transpose(1, 2)).mul_(decay);
       auto q_decayed = qh * gamma.exp().unsqueeze(-1);
