@@ -11,8 +11,9 @@ the fused MoE block (or a SwiGLU); the residual adds; the final norm.
 
 It applies to float32 CPU activations with the kernels on (`QWEN35_CPU_KERNELS`), at most
 `kernels.MAX_ROWS` rows, DeltaNet value head dims divisible by 16, query/KV head ratios in
-`kernels.ATTENTION_GROUPS`, one norm eps and grouped experts; otherwise `decode_layers` returns None
-and the caller runs its layers. tests/lm/test_decode.py checks it against the reference path.
+`kernels.ATTENTION_GROUPS` and grouped experts; otherwise `decode_layers` returns None and the
+caller runs its layers. (Every norm of the model is built with the config's rms_norm_eps, which the
+plan takes once.) tests/lm/test_decode.py checks it against the reference path.
 """
 
 from __future__ import annotations

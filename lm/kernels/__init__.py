@@ -4,7 +4,8 @@ Decode: bandwidth-bound products of a few rows with large weights (small_m_linea
 decode-time blocks fused into one call each, because at decode sizes the fixed cost of each tensor
 operation outweighs its arithmetic: a DeltaNet token step (delta_step.cpp), a MoE block
 (moe_decode.cpp), attention over the KV cache (decode_attention.cpp), RMS norms (norms.cpp).
-lm/decode.py calls these directly for a whole decode step; the wrappers below serve the layers.
+A whole decode step runs them layer after layer in one call (decode_step.cpp, driven by lm/decode.py);
+the wrappers below serve the layers.
 Prefill: the routed experts one per thread (expert_mlp.cpp) and the chunked delta rule with heads
 side by side (chunked_delta_rule.cpp), where many small GEMMs run better single-threaded in parallel.
 

@@ -14,7 +14,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("expert_mlp", &expert_mlp, "per-expert SwiGLU over rows grouped by expert (prefill)");
   m.def("chunked_delta_rule", &chunked_delta_rule, "chunked gated delta rule, heads side by side (prefill)");
   m.def("decode_attention", &decode_attention, "one query token per row over the KV cache (GQA)");
-  m.def("attention_token", &attention_token, "a gated attention layer for one token per row, projections to o_proj");
   m.def("rms_norm", &rms_norm, "x / rms(x) * (offset + w) per row");
   py::class_<DecodePlan>(m, "DecodePlan", "a whole decode step through the layer stack (see kernels.h)")
       .def(py::init<double>())

@@ -1,8 +1,8 @@
 // Prefill form of the gated delta rule (see lm/delta_rule.py, chunked_gated_delta_rule: the same
 // maths, op for op, except that each chunk's triangular system is inverted and then applied, which
-// is cheaper than solving it for all Dv + Dk right-hand sides), one (row, head) per thread at a time: each head's chunk scan is a sequence of
-// small matrix products, which run far better single-threaded side by side than split across
-// threads one at a time.
+// is cheaper than solving it for all Dv + Dk right-hand sides), one (row, head) per thread at a
+// time: each head's chunk scan is a sequence of small matrix products, which run far better
+// single-threaded side by side than split across threads one at a time.
 
 #include "vec.h"
 
