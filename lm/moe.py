@@ -18,7 +18,8 @@ class Experts(nn.Module):
     Tokens are grouped by expert, and only experts that received tokens are touched: one decode
     token reads K experts' weights, never all E. With `grouped=True` (the fast path, on CPU) each
     projection runs as one call for all experts: the decode kernel when every expert has few rows,
-    else a grouped GEMM (`torch._grouped_mm`). The reference (`grouped=False`, and any other
+    else (float32) the prefill kernel, which also gathers the rows and sums the weighted outputs
+    into the tokens (expert_mlp.cpp), else a grouped GEMM (`torch._grouped_mm`). The reference (`grouped=False`, and any other
     device until the grouped paths are tested there) loops `F.linear` over the experts that
     received tokens. Both give the same result.
     """
@@ -35,11 +36,16 @@ class Experts(nn.Module):
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # selections grouped by expert
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
-        xs = x[order // top_k]  # [N*K, H], grouped by expert
+        rows = order // top_k  # the token of each selection
+        if self.grouped and x.device.type == "cpu" and int(counts.max()) > kernels.MAX_ROWS:
+            fused = kernels.expert_mlp(x, self.gate_up_proj, self.down_proj, counts, rows, weights.reshape(-1)[order])
+            if fused is not None:  # prefill, float32: gather, experts and weighted sum in one call
+                return fused
+        xs = x[rows]  # [N*K, H], grouped by expert
         ys = self._fast(xs, counts) if self.grouped else self._reference(xs, counts)
         if n > 64:  # prefill: weight in place and add into the few token rows (no [N*K, H] buffer)
             ys *= weights.reshape(-1)[order, None]
-            return torch.zeros_like(x).index_add_(0, order // top_k, ys)
+            return torch.zeros_like(x).index_add_(0, rows, ys)
         per_choice = torch.empty_like(ys)  # decode: scatter-add with repeated rows is slow on CPU
         per_choice[order] = ys
         return torch.einsum("nkh,nk->nh", per_choice.view(n, top_k, -1), weights)
@@ -53,8 +59,6 @@ class Experts(nn.Module):
         if gate_up is not None:  # decode: few rows per expert, bandwidth-bound
             gate, up = gate_up.chunk(2, dim=-1)
             return kernels.grouped_linear(F.silu(gate) * up, self.down_proj, hit, sizes)
-        if (ys := kernels.expert_mlp(xs, self.gate_up_proj, self.down_proj, counts)) is not None:
-            return ys  # prefill, float32: one expert per thread at a time
         offsets = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
         gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)

@@ -109,13 +109,16 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, experts: list[int], si
     return k.grouped_linear(x.contiguous(), weight, torch.tensor(experts), offsets)
 
 
-def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor):
-    """Rows of x [R, H] grouped by expert (`counts` [E] rows each) through their expert's SwiGLU
-    (gate_up [E, 2I, H], down [E, H, I]) -> [R, H], experts spread over threads; None when n/a."""
+def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor,
+               token: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """Token rows x [N, H] through their selected experts' SwiGLU (gate_up [E, 2I, H], down [E, H, I]),
+    weighted and summed -> [N, H]. The selections come grouped by expert: `counts` [E] of them each,
+    `token` [S] the row of each and `weight` [S] its routing weight. Experts spread over threads;
+    None when n/a."""
     if (k := _fusable(x)) is None:
         return None
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).long()
-    return k.expert_mlp(x.contiguous(), gate_up, down, offsets)
+    return k.expert_mlp(x.contiguous(), gate_up, down, offsets, token, weight.float().contiguous())
 
 
 def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int):

@@ -11,7 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_delta_step", &gated_delta_step, "in-place gated delta rule decode step (float32, CPU)");
   m.def("gdn_decode", &gdn_decode, "a Gated DeltaNet decode step from projections to out_proj input");
   m.def("moe_decode", &moe_decode, "a sparse MoE block (router, experts, shared expert) for a few rows");
-  m.def("expert_mlp", &expert_mlp, "per-expert SwiGLU over rows grouped by expert (prefill)");
+  m.def("expert_mlp", &expert_mlp, "tokens through their selected experts, weighted and summed (prefill)");
   m.def("chunked_delta_rule", &chunked_delta_rule, "chunked gated delta rule, heads side by side (prefill)");
   m.def("decode_attention", &decode_attention, "one query token per row over the KV cache (GQA)");
   m.def("rms_norm", &rms_norm, "x / rms(x) * (offset + w) per row");

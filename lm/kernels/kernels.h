@@ -17,7 +17,8 @@ at::Tensor gdn_decode(at::Tensor qkv, at::Tensor z, at::Tensor b_in, at::Tensor 
 at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::Tensor down, int64_t top_k,
                       at::Tensor sh_gate, at::Tensor sh_up, at::Tensor sh_down, at::Tensor sh_expert_gate,
                       int64_t pieces_per_expert);
-at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Tensor offsets);
+at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Tensor offsets, at::Tensor token,
+                      at::Tensor weight);
 std::vector<at::Tensor> chunked_delta_rule(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
                                            at::Tensor state, int64_t chunk);
 at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor keep, double scale);

@@ -114,7 +114,9 @@ def test_fused_moe_block_equals_reference(monkeypatch, rows, pieces):
                                   block.shared_expert.down_proj.weight, block.shared_expert_gate.weight) is not None
     else:
         counts = torch.tensor([rows] + [0] * 15)
-        assert kernels.expert_mlp(x[:, 0], block.experts.gate_up_proj, block.experts.down_proj, counts) is not None
+        token, weight = torch.arange(rows), torch.ones(rows)
+        assert kernels.expert_mlp(x[:, 0], block.experts.gate_up_proj, block.experts.down_proj, counts, token,
+                                  weight) is not None
     with torch.no_grad():
         ours, reference = _both_paths(monkeypatch, lambda: block(x))
     assert ours.shape == x.shape and rel_err(ours, reference) < 1e-5
