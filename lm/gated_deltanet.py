@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .cache import LinearSlot
 from .config import TextConfig
 from .delta_rule import chunked_gated_delta_rule, gated_delta_step
@@ -17,8 +18,11 @@ def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> 
     """Depthwise causal conv + SiLU along time. x [B, T, C]; window [B, K-1, C] (the previous inputs);
     weight [C, K]. Returns (out [B, T, C], new window [B, K-1, C]).
 
-    Computed as K shifted multiply-adds in the [B, T, C] layout of the projections: no transposes.
+    Computed as K shifted multiply-adds in the [B, T, C] layout of the projections: no transposes
+    (on CPU in float32, in one pass: kernels/causal_conv.cpp).
     """
+    if (fused := kernels.causal_conv(x, window, weight)) is not None:
+        return fused[0], fused[1]
     t, kernel = x.shape[1], weight.shape[1]
     full = torch.cat([window, x], dim=1)  # [B, K-1+T, C]
     out = full[:, :t] * weight[:, 0]

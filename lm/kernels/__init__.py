@@ -7,7 +7,8 @@ operation outweighs its arithmetic: a DeltaNet token step (delta_step.cpp), a Mo
 A whole decode step runs them layer after layer in one call (decode_step.cpp, driven by lm/decode.py);
 the wrappers below serve the layers.
 Prefill: the routed experts one per thread (expert_mlp.cpp) and the chunked delta rule with heads
-side by side (chunked_delta_rule.cpp), where many small GEMMs run better single-threaded in parallel.
+side by side (chunked_delta_rule.cpp), where many small GEMMs run better single-threaded in parallel;
+the DeltaNet causal conv in one pass (causal_conv.cpp).
 
 One switch, the environment variable `QWEN35_CPU_KERNELS`:
     unset / "auto"  build the C++ kernels on first use (torch caches the build); if that fails
@@ -169,6 +170,14 @@ def multi_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Ten
         return None
     ys = k.multi_linear(x.reshape(rows, x.shape[-1]).contiguous(), list(weights))
     return [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
+
+
+def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> list[torch.Tensor] | None:
+    """Depthwise causal conv + SiLU along time in one pass: x [B, T, C], window [B, K-1, C], weight
+    [C, K] -> [out [B, T, C], new window [B, K-1, C]]; None when n/a."""
+    if (k := _fusable(x)) is None or window.dtype != torch.float32 or weight.dtype != torch.float32:
+        return None
+    return k.causal_conv(x.contiguous(), window.contiguous(), weight.contiguous())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor | None:

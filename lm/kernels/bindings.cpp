@@ -15,6 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunked_delta_rule", &chunked_delta_rule, "chunked gated delta rule, heads side by side (prefill)");
   m.def("decode_attention", &decode_attention, "one query token per row over the KV cache (GQA)");
   m.def("rms_norm", &rms_norm, "x / rms(x) * (offset + w) per row");
+  m.def("causal_conv", &causal_conv, "depthwise causal conv + SiLU along time, one pass (prefill)");
   py::class_<DecodePlan>(m, "DecodePlan", "a whole decode step through the layer stack (see kernels.h)")
       .def(py::init<double>())
       .def("add_deltanet", &DecodePlan::add_deltanet)

@@ -26,6 +26,7 @@ at::Tensor attention_token(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor 
                            double eps, at::Tensor cos, at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
                            int64_t pos, at::Tensor keep, double scale);
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps, double offset);
+std::vector<at::Tensor> causal_conv(at::Tensor x, at::Tensor window, at::Tensor weight);
 
 // A whole decode step through the layer stack, one token per row (decode_step.cpp). lm/decode.py
 // adds the layers' weights once per generation, in layer order: each layer's mixer (add_deltanet or

@@ -218,3 +218,17 @@ def test_kernels_reject_mismatched_weights_with_a_clear_error(monkeypatch):
         kernels.multi_linear(torch.randn(2, 64), [torch.randn(8, 64, dtype=torch.bfloat16)])
     with pytest.raises(RuntimeError, match="must be contiguous"):
         kernels.multi_linear(torch.randn(2, 64), [torch.randn(64, 8).T])
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5, 40])  # fewer tokens than the window: it keeps old rows
+def test_fused_causal_conv_equals_reference(monkeypatch, tokens):
+    from lm.gated_deltanet import causal_conv
+
+    g = torch.Generator().manual_seed(4)
+    x, window = torch.randn(2, tokens, 48, generator=g), torch.randn(2, 3, 48, generator=g)
+    weight = torch.randn(48, 4, generator=g)
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    assert kernels.causal_conv(x, window, weight) is not None
+    ours, reference = _both_paths(monkeypatch, lambda: causal_conv(x, window, weight))
+    for a, b in zip(ours, reference):
+        assert a.shape == b.shape and rel_err(a, b) < 1e-6
