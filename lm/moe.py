@@ -19,9 +19,9 @@ class Experts(nn.Module):
     token reads K experts' weights, never all E. With `grouped=True` (the fast path, on CPU) each
     projection runs as one call for all experts: the decode kernel when every expert has few rows,
     else (float32) the prefill kernel, which also gathers the rows and sums the weighted outputs
-    into the tokens (expert_mlp.cpp), else a grouped GEMM (`torch._grouped_mm`). The reference (`grouped=False`, and any other
-    device until the grouped paths are tested there) loops `F.linear` over the experts that
-    received tokens. Both give the same result.
+    into the tokens (expert_mlp.cpp), else a grouped GEMM (`torch._grouped_mm`). The reference
+    (`grouped=False`, and any other device until the grouped paths are tested there) loops
+    `F.linear` over the experts that received tokens. All give the same result.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, grouped: bool = True):
