@@ -72,7 +72,7 @@ class GatedAttention(nn.Module):
     ) -> torch.Tensor:
         b, t, _ = x.shape
         d = self.head_dim
-        q, k, v = self.project(x)
+        q, k, v = self._project(x)
         q, gate = q.view(b, t, self.num_heads, 2 * d).chunk(2, dim=-1)  # [B, T, H, D] each
         q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]
         k = self.k_norm(k.view(b, t, self.num_kv_heads, d)).transpose(1, 2)  # [B, KV, T, D]
@@ -89,7 +89,7 @@ class GatedAttention(nn.Module):
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * d)
         return self.o_proj(out * torch.sigmoid(gate.reshape(b, t, -1)))
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (with its gate half), k, v projections; on CPU decode rows as one kernel call."""
         fused = kernels.multi_linear(x, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
         if fused is None:

@@ -101,19 +101,14 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, H]
-        if (fused := self.fused(x)) is not None:
+        fused = kernels.moe_decode(  # decode on CPU: the whole block in one call
+            x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj, self.gate.top_k,
+            self.shared_expert.gate_proj.weight, self.shared_expert.up_proj.weight,
+            self.shared_expert.down_proj.weight, self.shared_expert_gate.weight,
+        ) if self.experts.grouped else None
+        if fused is not None:
             return fused.view(shape)
         experts, weights = self.gate(x)
         out = self.experts(x, experts, weights)
         out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.view(shape)
-
-    def fused(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The whole block for a few rows x [N, H] in one kernel call (decode on CPU); None when the
-        kernel does not apply or the experts are switched to their reference path."""
-        if not self.experts.grouped:
-            return None
-        shared = self.shared_expert
-        return kernels.moe_decode(x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
-                                  self.gate.top_k, shared.gate_proj.weight, shared.up_proj.weight,
-                                  shared.down_proj.weight, self.shared_expert_gate.weight)
