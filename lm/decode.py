@@ -24,6 +24,7 @@ import torch
 
 from . import kernels
 from .cache import Cache, KVSlot
+from .linear import Linear
 from .moe import SparseMoeBlock
 
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Cache -> DecodePlan or None (n/a)
@@ -37,7 +38,7 @@ def decode_layers(model, x: torch.Tensor, cache: Cache, rope, attn_mask) -> torc
     if k is None or x.shape[0] > kernels.MAX_ROWS:
         return None
     if cache not in _plans:  # once per generation: the cache lives as long as one
-        _plans[cache] = build_plan(k, model)
+        _plans[cache] = build_plan(k, model, x.shape[0])
     plan = _plans[cache]
     if plan is None:
         return None
@@ -49,9 +50,10 @@ def decode_layers(model, x: torch.Tensor, cache: Cache, rope, attn_mask) -> torc
     return plan.run(x[:, 0], states, cos[:, 0], sin[:, 0], keep, cache.length)[:, None]
 
 
-def build_plan(k, model):
-    """The `DecodePlan` of a `TextModel`'s layers (weights by reference), or None when one of them
-    is outside what the fused kernels take."""
+def build_plan(k, model, rows: int):
+    """The `DecodePlan` of a `TextModel`'s layers (weights by reference) for `rows` tokens per step,
+    or None when one of them is outside what the fused kernels take. From kernels.PANEL_ROWS rows
+    on, the attention, DeltaNet and dense-MLP products stream panel copies of their weights."""
     cfg = model.config
     if cfg.linear_value_head_dim % 16:
         return None
@@ -82,4 +84,10 @@ def build_plan(k, model):
         else:
             plan.add_dense_mlp(norm, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
     plan.set_final_norm(model.norm.weight)
+    if rows >= kernels.PANEL_ROWS:  # the products of the mixers and dense MLPs (moe_decode has its own)
+        parts = [layer.linear_attn if layer.layer_type == "linear_attention" else layer.self_attn for layer in model.layers]
+        parts += [layer.mlp for layer in model.layers if not isinstance(layer.mlp, SparseMoeBlock)]
+        for module in (m for part in parts for m in part.modules()):
+            if isinstance(module, Linear) and (copy := kernels.panels(module.weight)).numel():
+                plan.add_panels(module.weight, copy)
     return plan

@@ -5,8 +5,10 @@
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("small_m_linear", &small_m_linear, "y = x W^T for few rows of x (float32, CPU)");
-  m.def("multi_linear", &multi_linear, "[x W_i^T for each W_i], one parallel region");
+  m.def("small_m_linear", &small_m_linear, "y = x W^T for few rows of x (float32, CPU)", py::arg("x"),
+        py::arg("weight"), py::arg("panels"));
+  m.def("multi_linear", &multi_linear, "[x W_i^T for each W_i], one parallel region", py::arg("x"),
+        py::arg("weights"), py::arg("panels") = std::vector<at::Tensor>());
   m.def("grouped_linear", &grouped_linear, "per-expert y = x W[e]^T over rows grouped by expert");
   m.def("gated_delta_step", &gated_delta_step, "in-place gated delta rule decode step (float32, CPU)");
   m.def("gdn_decode", &gdn_decode, "a Gated DeltaNet decode step from projections to out_proj input");
@@ -23,5 +25,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_moe", &DecodePlan::add_moe)
       .def("add_dense_mlp", &DecodePlan::add_dense_mlp)
       .def("set_final_norm", &DecodePlan::set_final_norm)
+      .def("add_panels", &DecodePlan::add_panels)
       .def("run", &DecodePlan::run);
 }

@@ -55,6 +55,16 @@ void DecodePlan::add_dense_mlp(at::Tensor post_norm, at::Tensor gate, at::Tensor
   layers_.back().mlp = {post_norm, gate, up, down};
 }
 
+// x times each weight (one parallel region), through the weights' panel copies where the plan has them
+std::vector<at::Tensor> DecodePlan::products(const at::Tensor& x, std::vector<at::Tensor> weights) const {
+  std::vector<at::Tensor> panels;
+  for (const auto& w : weights) {
+    const auto it = panels_.find(w.data_ptr());
+    panels.push_back(it == panels_.end() ? at::Tensor() : it->second);
+  }
+  return multi_linear(x, weights, panels);
+}
+
 at::Tensor DecodePlan::run(at::Tensor x, std::vector<at::Tensor> states, at::Tensor cos, at::Tensor sin,
                            at::Tensor keep, int64_t pos) const {
   TORCH_CHECK(states.size() == 2 * layers_.size() && final_norm_.defined(), "decode plan and cache do not match");
@@ -65,24 +75,24 @@ at::Tensor DecodePlan::run(at::Tensor x, std::vector<at::Tensor> states, at::Ten
     TORCH_CHECK(!l.mlp.empty(), "decode plan: layer ", i, " has no MLP");
     const at::Tensor n = rms_norm(h, w[0], eps_, 1.0);
     if (l.deltanet) {
-      const auto p = multi_linear(n, {w[1], w[2], w[3], w[4]});
+      const auto p = products(n, {w[1], w[2], w[3], w[4]});
       const at::Tensor out = gdn_decode(p[0], p[1], p[2], p[3], states[2 * i], w[5], w[6], w[7], states[2 * i + 1],
                                         w[8], eps_, l.num_k_heads);
-      h.add_(small_m_linear(out, w[9]));
+      h.add_(products(out, {w[9]})[0]);
     } else {
-      const auto p = multi_linear(n, {w[1], w[2], w[3]});
+      const auto p = products(n, {w[1], w[2], w[3]});
       const at::Tensor out = attention_token(plus_bias(p[0], w[5]), plus_bias(p[1], w[6]), plus_bias(p[2], w[7]),
                                              w[9], w[10], eps_, cos, sin, states[2 * i], states[2 * i + 1], pos,
                                              keep, l.scale);
-      h.add_(plus_bias(small_m_linear(out, w[4]), w[8]));
+      h.add_(plus_bias(products(out, {w[4]})[0], w[8]));
     }
     const auto& m = l.mlp;
     const at::Tensor n2 = rms_norm(h, m[0], eps_, 1.0);
     if (l.moe) {
       h.add_(moe_decode(n2, m[1], m[2], m[3], l.top_k, m[4], m[5], m[6], m[7], l.pieces));
     } else {
-      const auto p = multi_linear(n2, {m[1], m[2]});
-      h.add_(small_m_linear(at::silu(p[0]).mul_(p[1]), m[3]));
+      const auto p = products(n2, {m[1], m[2]});
+      h.add_(products(at::silu(p[0]).mul_(p[1]), {m[3]})[0]);
     }
   }
   return rms_norm(h, final_norm_, eps_, 1.0);

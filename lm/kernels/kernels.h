@@ -4,10 +4,12 @@
 
 #include <ATen/ATen.h>
 
+#include <unordered_map>
 #include <vector>
 
-at::Tensor small_m_linear(at::Tensor x, at::Tensor W);
-std::vector<at::Tensor> multi_linear(at::Tensor x, std::vector<at::Tensor> weights);
+// panels: a panel copy of W (kernels.panels; vec.h), used for 5-8 rows, or an empty tensor
+at::Tensor small_m_linear(at::Tensor x, at::Tensor W, at::Tensor panels);
+std::vector<at::Tensor> multi_linear(at::Tensor x, std::vector<at::Tensor> weights, std::vector<at::Tensor> panels);
 at::Tensor grouped_linear(at::Tensor x, at::Tensor W, at::Tensor experts, at::Tensor offsets);
 at::Tensor gated_delta_step(at::Tensor state, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor decay,
                             at::Tensor beta);
@@ -47,6 +49,8 @@ class DecodePlan {
                int64_t pieces_per_expert);
   void add_dense_mlp(at::Tensor post_norm, at::Tensor gate, at::Tensor up, at::Tensor down);
   void set_final_norm(at::Tensor norm) { final_norm_ = norm; }
+  // the panel copy of one of the plan's weights (vec.h): its products with 5-8 rows go through it
+  void add_panels(at::Tensor weight, at::Tensor panels) { panels_[weight.data_ptr()] = panels; }
   // x [B, hidden] token embeddings; states: two per layer, (conv window, recurrent state) or
   // (k cache, v cache); cos, sin [B, R] rotary angles; keep [B, pos + 1] bool or empty (no mask);
   // pos the cache position of this token. Returns the final-normed hidden states [B, hidden].
@@ -60,7 +64,9 @@ class DecodePlan {
     int64_t num_k_heads = 0, top_k = 0, pieces = 1;
     double scale = 0;
   };
+  std::vector<at::Tensor> products(const at::Tensor& x, std::vector<at::Tensor> weights) const;
   std::vector<Layer> layers_;
+  std::unordered_map<const void*, at::Tensor> panels_;  // weight data -> its panel copy
   at::Tensor final_norm_;
   double eps_;
 };

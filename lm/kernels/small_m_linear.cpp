@@ -1,4 +1,5 @@
 // y = x W^T for a few rows of x (decode batches): x [M, K], W [N, K] row-major float32 -> y [M, N].
+// With 5-8 rows and a panel copy of W (see vec.h), through the panels.
 //
 // Decode reads every weight once per step, so these products are limited by memory bandwidth, not
 // FLOPs, and MKL's GEMV/GEMM for such shapes uses one core (M = 1) or runs far below bandwidth
@@ -9,32 +10,41 @@
 // four DeltaNet input projections). grouped_linear does the same for routed experts: rows of x
 // grouped by expert, each group multiplied by its own expert's matrix W[e] of a fused [E, N, K] tensor.
 
+#include "kernels.h"
 #include "vec.h"
 
 using namespace qwen35;
 
-at::Tensor small_m_linear(at::Tensor x, at::Tensor W) {
-  check(x, "x");
+namespace {
+
+// The product of x [M, K] and W [N, K] into y, with W's panel copy when `panels` is not empty.
+Product product(const at::Tensor& x, const at::Tensor& W, const at::Tensor& panels, at::Tensor& y) {
   check(W, "weight");
-  TORCH_CHECK(x.dim() == 2 && W.dim() == 2 && x.size(1) == W.size(1), "shapes must be x [M, K] and weight [N, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = W.size(0);
-  TORCH_CHECK(M <= 8, "at most 8 rows of x");
-  auto y = at::empty({M, N}, x.options());
-  run_products({{x.data_ptr<float>(), M, K, W.data_ptr<float>(), N, K, y.data_ptr<float>()}});
-  return y;
+  TORCH_CHECK(W.dim() == 2 && W.size(1) == x.size(1), "every weight must be [N, K] with x's K");
+  Product p{x.data_ptr<float>(), x.size(0), x.size(1), W.data_ptr<float>(), W.size(0), W.size(1), y.data_ptr<float>()};
+  if (panels.defined() && panels.numel()) {
+    check(panels, "panels");
+    TORCH_CHECK(panels.numel() == W.numel() && W.size(0) % V == 0, "panels must be a panel copy of the weight");
+    p.panels = panels.data_ptr<float>();
+  }
+  return p;
 }
 
-std::vector<at::Tensor> multi_linear(at::Tensor x, std::vector<at::Tensor> weights) {
+}  // namespace
+
+at::Tensor small_m_linear(at::Tensor x, at::Tensor W, at::Tensor panels) {
+  return multi_linear(x, {W}, {panels})[0];
+}
+
+std::vector<at::Tensor> multi_linear(at::Tensor x, std::vector<at::Tensor> weights, std::vector<at::Tensor> panels) {
   check(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(0) <= 8, "x must be [M, K] with M <= 8");
-  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(panels.empty() || panels.size() == weights.size(), "one panel copy (or empty tensor) per weight");
   std::vector<at::Tensor> ys;
   std::vector<Product> products;
-  for (auto& W : weights) {
-    check(W, "weight");
-    TORCH_CHECK(W.dim() == 2 && W.size(1) == K, "every weight must be [N, K] with x's K");
-    ys.push_back(at::empty({M, W.size(0)}, x.options()));
-    products.push_back({x.data_ptr<float>(), M, K, W.data_ptr<float>(), W.size(0), K, ys.back().data_ptr<float>()});
+  for (size_t i = 0; i < weights.size(); ++i) {
+    ys.push_back(at::empty({x.size(0), weights[i].size(0)}, x.options()));
+    products.push_back(product(x, weights[i], panels.empty() ? at::Tensor() : panels[i], ys.back()));
   }
   run_products(products);
   return ys;

@@ -118,32 +118,105 @@ inline void block(const float* x, int64_t M, int64_t ldx, const float* W, int64_
   }
 }
 
+// Panel copies for 5-8 rows (kernels.panels in Python): W [N, K] as consecutive panels of PANEL
+// output rows (the last one 16 or 32 when N % 48 != 0), each stored k-major: panel p holds
+// W[p*48 + j, k] at p*48*K + k*width + j. With 5-8 rows of x the row-major products above are
+// compute-bound (~40 GB/s); here every weight float is loaded once into a vector and multiplied by
+// broadcast x values, R x NV accumulators in registers, one sequential stream per panel: ~1.6x the
+// row-major kernel's rate at 70-80 GB/s (bench: /tmp-measured, see README).
+constexpr int64_t PANEL = 48;
+
+// y[r * ldy + j] = sum_k xt[k * 8 + r] w[k * 16 NV + j] for r < R, j < 16 NV: one panel.
+template <int R, int NV>
+inline void panel_rows(const float* xt, const float* w, int64_t K, float* y, int64_t ldy) {
+  vec a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) a[r][v] = vec{};
+  for (int64_t k = 0; k < K; ++k, w += NV * V) {
+    vec wv[NV];
+    for (int v = 0; v < NV; ++v) {
+      __builtin_prefetch(w + v * V + PREFETCH, 0, 3);  // every line
+      wv[v] = load(w + v * V);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float xs = xt[k * 8 + r];
+      for (int v = 0; v < NV; ++v) a[r][v] += xs * wv[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) store(y + r * ldy + v * V, a[r][v]);
+}
+
+template <int R>
+inline void panel_rows(const float* xt, const float* w, int64_t K, int64_t width, float* y, int64_t ldy) {
+  switch (width / V) {
+    case 1: panel_rows<R, 1>(xt, w, K, y, ldy); break;
+    case 2: panel_rows<R, 2>(xt, w, K, y, ldy); break;
+    default: panel_rows<R, 3>(xt, w, K, y, ldy); break;
+  }
+}
+
+// Rows [0, M) (5 <= M <= 8) of x, given transposed as xt [K, 8], times panels [p0, p1) of a panel
+// copy of W [N, K] -> y[:, p0*48 : p1*48] (row stride ldy).
+inline void panel_block(const float* xt, int64_t M, const float* panels, int64_t K, int64_t N, int64_t p0,
+                        int64_t p1, float* y, int64_t ldy) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t n = p * PANEL, width = std::min(PANEL, N - n);
+    const float* w = panels + n * K;
+    switch (M) {
+      case 5: panel_rows<5>(xt, w, K, width, y + n, ldy); break;
+      case 6: panel_rows<6>(xt, w, K, width, y + n, ldy); break;
+      case 7: panel_rows<7>(xt, w, K, width, y + n, ldy); break;
+      default: panel_rows<8>(xt, w, K, width, y + n, ldy); break;
+    }
+  }
+}
+
 // Weight floats per parallel task (~64 KiB; 32 and 64 Ki floats measured the same). -D to experiment.
 #ifndef QWEN35_TASK_FLOATS
 #define QWEN35_TASK_FLOATS 16384
 #endif
 inline int64_t rows_per_task(int64_t K) { return std::max<int64_t>(4, QWEN35_TASK_FLOATS / std::max<int64_t>(K, 1)); }
 
-// One weight matrix of a product list: x [M, K] (row stride ldx) times W [N, K] -> y [M, N].
+// One weight matrix of a product list: x [M, K] (row stride ldx) times W [N, K] -> y [M, N]; with
+// `panels` (a panel copy of W, or null) and 5-8 rows, through the panels.
 struct Product {
   const float* x;
   int64_t M, ldx;
   const float* W;
   int64_t N, K;
   float* y;
+  const float* panels = nullptr;
+  bool by_panels() const { return panels && M >= 5; }
 };
+
+// Weight rows per task: blocks of rows, or of whole panels.
+inline int64_t task_rows(const Product& p) {
+  return p.by_panels() ? std::max<int64_t>(1, rows_per_task(p.K) / PANEL) * PANEL : rows_per_task(p.K);
+}
 
 // All products in one parallel region: each is cut into blocks of weight rows, and the blocks of
 // all products are shared among the threads (one fork/join instead of one per product).
 inline void run_products(const std::vector<Product>& products) {
   std::vector<int64_t> first{0};  // first task of each product
-  for (const auto& p : products) first.push_back(first.back() + (p.N + rows_per_task(p.K) - 1) / rows_per_task(p.K));
+  std::vector<std::vector<float>> xt(products.size());  // x transposed [K, 8] for the panel products
+  for (size_t i = 0; i < products.size(); ++i) {
+    const Product& p = products[i];
+    first.push_back(first.back() + (p.N + task_rows(p) - 1) / task_rows(p));
+    if (!p.by_panels()) continue;
+    xt[i].assign(p.K * 8, 0.f);
+    for (int64_t m = 0; m < p.M; ++m)
+      for (int64_t k = 0; k < p.K; ++k) xt[i][k * 8 + m] = p.x[m * p.ldx + k];
+  }
   at::parallel_for(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t i = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
       const Product& p = products[i];
-      const int64_t step = rows_per_task(p.K), n0 = (t - first[i]) * step;
-      block(p.x, p.M, p.ldx, p.W, p.K, n0, std::min(p.N, n0 + step), p.y, p.N);
+      const int64_t step = task_rows(p), n0 = (t - first[i]) * step, n1 = std::min(p.N, n0 + step);
+      if (p.by_panels())
+        panel_block(xt[i].data(), p.M, p.panels, p.K, p.N, n0 / PANEL, (n1 + PANEL - 1) / PANEL, p.y, p.N);
+      else
+        block(p.x, p.M, p.ldx, p.W, p.K, n0, n1, p.y, p.N);
     }
   });
 }

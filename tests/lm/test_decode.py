@@ -18,11 +18,13 @@ def _decode_logits(model, ids, steps: int) -> torch.Tensor:
     return torch.cat(out, 1)
 
 
-@pytest.mark.parametrize("kind", ["moe_text", "dense_vl"])
-def test_fast_decode_equals_reference_layers(checkpoints, monkeypatch, kind):
+@pytest.mark.parametrize("kind,batch", [("moe_text", 3), ("dense_vl", 3), ("moe_text", 6), ("dense_vl", 8)])
+def test_fast_decode_equals_reference_layers(checkpoints, monkeypatch, kind, batch):
+    """Batches of 6 and 8 stream panel copies of the mixers', dense MLPs' and LM head's weights."""
     _, path = checkpoints(kind)
     model = mm.load_model(path)
-    ids = torch.randint(3, 500, (3, 14), generator=torch.Generator().manual_seed(11))
+    monkeypatch.setattr(lm.kernels, "MIN_WEIGHT_ELEMENTS", 0)  # the tiny weights take the kernels too
+    ids = torch.randint(3, 500, (batch, 14), generator=torch.Generator().manual_seed(11))
     used = []
     fast = lm.model.decode_layers
 
@@ -39,6 +41,11 @@ def test_fast_decode_equals_reference_layers(checkpoints, monkeypatch, kind):
     reference = _decode_logits(model, ids, steps=6)
     assert used[6:] == [False] * 6
     assert rel_err(ours, reference) < 1e-5
+    if batch >= lm.kernels.PANEL_ROWS:  # the panel copies are what the step reads
+        monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+        for _, copy in lm.kernels._panels.values():
+            copy.zero_()
+        assert rel_err(_decode_logits(model, ids, steps=6)[:, -6:], reference[:, -6:]) > 0.1
 
 
 def test_fast_decode_steps_aside_when_it_does_not_apply(checkpoints, monkeypatch):

@@ -25,6 +25,25 @@ def test_small_m_linear_equals_f_linear(kernels_on, rows, shape):
     assert kernels.linear(x3, w).shape == (1, rows, shape[0])
 
 
+@pytest.mark.parametrize("rows", [4, 5, 8])  # from kernels.PANEL_ROWS on, decode rows take the panel copy
+@pytest.mark.parametrize("n", [96, 112, 80])  # whole panels of 48; a last panel of 16; of 32
+def test_decode_products_through_panel_copies_equal_f_linear(kernels_on, rows, n):
+    g = torch.Generator().manual_seed(n)
+    x, w, b = torch.randn(rows, 1, 70, generator=g), torch.randn(n, 70, generator=g), torch.randn(n, generator=g)
+    assert rel_err(kernels.linear(x, w, b), F.linear(x, w, b)) < 1e-5
+    assert (id(w) in kernels._panels) == (rows >= kernels.PANEL_ROWS)
+    if rows < kernels.PANEL_ROWS:
+        return
+    kernels._panels[id(w)][1].zero_()  # the copy, not the weight, is what the product reads
+    assert kernels.linear(x, w).abs().max() == 0
+    with torch.no_grad():
+        w.mul_(2)  # written in place: the copy is stale and is made again
+    assert rel_err(kernels.linear(x, w, b), F.linear(x, w, b)) < 1e-5
+    key = id(w)
+    del w
+    assert key not in kernels._panels  # a copy goes with its weight
+
+
 def test_grouped_linear_equals_per_expert_products(kernels_on):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(6, 40, 48, generator=g)
@@ -154,7 +173,7 @@ def test_fused_deltanet_decode_equals_reference(monkeypatch, rows, value_dim):
         conv = layer.conv1d.weight.view(conv_dim, -1)
         out = k.gdn_decode(qkv, z, b, a, slot.conv, conv, layer.A_log, layer.dt_bias, slot.recurrent,
                            layer.norm.weight, layer.norm.eps, layer.num_k_heads)
-        return k.small_m_linear(out, layer.out_proj.weight)
+        return k.small_m_linear(out, layer.out_proj.weight, torch.empty(0))
 
     ours = run(fused)
     for a, b in zip(ours, reference):
