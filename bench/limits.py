@@ -21,15 +21,25 @@ def best_time(fn, repeats: int = 5, warmup: int = 1) -> float:
     return min(times)
 
 
-def memory_read_bandwidth(gib: float = 1.0) -> float:
+class ReadBandwidth:
     """Bytes/s of a streaming read: a sum over random data far larger than the caches (random, so
     that no page deduplication by the host can make the buffer smaller than it looks), in memory
     backed by huge pages where the system gives them, as the loaded model's weights are (4 KiB pages
-    read up to ~15% slower here: measuring with them would understate the limit)."""
-    x = torch.empty(int(gib * 2**30) // 4)
-    advise_huge_pages([x])  # before the first write, which is when the pages are chosen
-    x.normal_()
-    return x.numel() * 4 / best_time(lambda: x.sum(), repeats=7)
+    read up to ~15% slower here: measuring with them would understate the limit). The buffer is
+    made once, so that a probe takes ~0.1 s and can run between the repeats of a measurement."""
+
+    def __init__(self, gib: float = 1.0):
+        self.x = torch.empty(int(gib * 2**30) // 4)
+        advise_huge_pages([self.x])  # before the first write, which is when the pages are chosen
+        self.x.normal_()
+
+    def __call__(self) -> float:
+        return self.x.numel() * 4 / best_time(lambda: self.x.sum(), repeats=7)
+
+
+def memory_read_bandwidth(gib: float = 1.0) -> float:
+    """One probe of `ReadBandwidth`."""
+    return ReadBandwidth(gib)()
 
 
 def matmul_flops(n: int = 2048) -> float:

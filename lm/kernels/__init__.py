@@ -33,7 +33,7 @@ MAX_ROWS = 8  # decode batches; larger products go to MKL's GEMM, which is effic
 MIN_WEIGHT_ELEMENTS = 1 << 16  # smaller weights stay in cache: no bandwidth to win, only call overhead
 ATTENTION_GROUPS = (1, 2, 4, 8, 16)  # query heads per KV head that the decode attention kernel takes
 MOE_PIECES = 1  # moe_decode's parallel pieces per expert gate/up and per down (1 measured best at 2 threads)
-PANEL_ROWS = 5  # decode products with this many rows or more stream panel copies of their weights
+PANEL_ROWS = 5  # decode products of 5-8 rows stream panel copies of their weights (9: never)
 PANEL = 48  # output rows per panel (vec.h)
 
 _lock = threading.Lock()
