@@ -33,8 +33,8 @@ class ReadBandwidth:
         advise_huge_pages([self.x])  # before the first write, which is when the pages are chosen
         self.x.normal_()
 
-    def __call__(self) -> float:
-        return self.x.numel() * 4 / best_time(lambda: self.x.sum(), repeats=7)
+    def __call__(self, repeats: int = 7) -> float:
+        return self.x.numel() * 4 / best_time(lambda: self.x.sum(), repeats=repeats)
 
 
 def memory_read_bandwidth(gib: float = 1.0) -> float:

@@ -167,7 +167,8 @@ def hf_decode(hf, ids, new_tokens: int, repeats: int = 3) -> float:
 class Limits:
     """The machine's limits. This machine's speed drifts (its streaming read rate swings between
     ~40 and ~78 GB/s from one second to the next), so each figure is related to the limits measured
-    right before and right after it (the better of the two, which keeps our share conservative)."""
+    right before and right after it (the better of the two, which keeps our share conservative);
+    decode steps each to probes of their own (`decode_share`)."""
 
     def __init__(self):
         self.read = ReadBandwidth()
@@ -180,18 +181,28 @@ class Limits:
         self.bandwidth, self.flops = self.read(), matmul_flops()
         return result, max(before[0], self.bandwidth), max(before[1], self.flops)
 
-    def decode(self, model, ids, new_tokens: int, repeats: int = 3):
-        """(seconds per step, bandwidth, FLOP/s) of the fastest of `repeats` decode runs, each run
-        between two bandwidth probes and related to the better of its own two: the best run is
-        often one that caught the faster memory state, which probes around all runs can miss."""
-        best, flops = (float("inf"), 0.0), self.flops
-        for _ in range(repeats):
-            before = self.bandwidth
-            step = ours_decode(model, ids, new_tokens, repeats=1)
-            self.bandwidth = self.read()
-            best = min(best, (step, max(before, self.bandwidth)))
-        self.flops = matmul_flops()
-        return best[0], best[1], max(flops, self.flops)
+    def decode_share(self, model, ids, new_tokens: int, weight_bytes: float) -> tuple[float, float, float]:
+        """A decode run with a bandwidth probe between every two steps (outside the timed steps):
+        each step's share of the limit, weight bytes / (step time x the better probe of the two
+        around it). This VM's read bandwidth jumps between two states within seconds, faster than
+        a whole run lasts, so only probes this close tell which state a step ran in. Returns the
+        median share, and the median step time and bandwidth."""
+        shares, steps, rates = [], [], []
+        before = self.read(repeats=2)
+        start = time.perf_counter()
+        for event in stream_generate(model.lm, ids, SamplingParams(max_new_tokens=new_tokens)):
+            if event.row != 0:
+                continue
+            step = time.perf_counter() - start
+            after = self.read(repeats=2)
+            if steps:  # the first event ends the prefill, not a step
+                shares.append(weight_bytes / step / max(before, after))
+                rates.append(max(before, after))
+            steps.append(step)
+            before = after
+            start = time.perf_counter()
+        median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+        return median(shares), median(steps[1:]), median(rates)
 
 
 def main() -> None:
@@ -221,14 +232,17 @@ def main() -> None:
         counter.close()
         if not args.skip_hf:
             hf_decode(hf, ids, 8, repeats=1)
-        step, bandwidth, flops_s = limits.decode(model, ids, new)
+        step, _, flops_s = limits.around(lambda: ours_decode(model, ids, new))
         theirs = None if args.skip_hf else hf_decode(hf, ids, new)
         touched = weight_bytes_per_step(model, counter.mean())
-        rows.append((f"decode batch {batch} (tok/s)", batch / step, theirs and batch / theirs, touched / bandwidth / step))
+        share, probed_step, bandwidth = limits.decode_share(model, ids, new, touched)
+        rows.append((f"decode batch {batch} (tok/s)", batch / step, theirs and batch / theirs, share))
         print(f"  batch {batch}: {counter.mean():.1f} experts/layer touched per step, {touched / 1e9:.2f} GB of "
-              f"weights per step = {touched / step / 1e9:.1f} GB/s; read bandwidth around it {bandwidth / 1e9:.1f} GB/s;\n"
-              f"    bandwidth floor {touched / bandwidth * 1e3:.1f} ms/step, compute floor {decode_flops(model, batch) / flops_s * 1e3:.1f} "
-              f"ms/step (matmul FLOPs at {flops_s / 1e9:.0f} GFLOP/s), ours {step * 1e3:.1f} ms/step")
+              f"weights per step; best of 3 runs {step * 1e3:.1f} ms/step;\n"
+              f"    a run probing the read bandwidth between steps: median step {probed_step * 1e3:.1f} ms at a median "
+              f"{bandwidth / 1e9:.1f} GB/s (floor {touched / bandwidth * 1e3:.1f} ms); share of the limit per step, "
+              f"median {share * 100:.0f}%;\n    compute floor {decode_flops(model, batch) / flops_s * 1e3:.1f} ms/step "
+              f"(matmul FLOPs at {flops_s / 1e9:.0f} GFLOP/s)")
 
     short_ids, long_ids = torch.randint(0, vocab, (1, 128)), torch.randint(0, vocab, (1, long_prompt))
     pairs = [(ours_decode(model, short_ids, new, repeats=1), ours_decode(model, long_ids, new, repeats=1))
