@@ -16,8 +16,15 @@ from pathlib import Path
 
 import torch
 
-from bench.lm import ExpertCounter, build, ours_decode, probed_steps, weight_bytes_per_step
 from bench.limits import ReadBandwidth
+from bench.lm import (
+    ExpertCounter,
+    build,
+    median,
+    ours_decode,
+    probed_steps,
+    weight_bytes_per_step,
+)
 
 
 def main() -> None:
@@ -29,23 +36,23 @@ def main() -> None:
         _, model = build(Path(tmp))
     read, touched, shares = ReadBandwidth(), {}, defaultdict(list)
     ids = {batch: torch.randint(0, model.config.text.vocab_size, (batch, 32)) for batch in (1, 8)}
-    for batch in ids:
+    for batch, prompt in ids.items():
         counter = ExpertCounter(model)  # greedy decoding repeats its routing: count on an untimed run
-        ours_decode(model, ids[batch], 48, repeats=1)
+        ours_decode(model, prompt, 48, repeats=1)
         counter.close()
         touched[batch] = weight_bytes_per_step(model, counter.mean())
     end = time.time() + args.seconds
     while time.time() < end:
-        for batch in ids:
-            for step, before, after in probed_steps(model, ids[batch], 48, read):
+        for batch, prompt in ids.items():
+            for step, before, after in probed_steps(model, prompt, 48, read):
                 low, high = min(before, after), max(before, after)
                 state = "upper" if low > 62e9 else "lower" if high < 55e9 else "mixed"
                 shares[state, batch].append((touched[batch] / step / high, step))
-    for (state, batch), v in sorted(shares.items()):
-        v.sort()
-        q = lambda f: v[int(f * (len(v) - 1))]  # noqa: E731
-        print(f"{state} state, batch {batch}: {len(v)} steps, share of the limit median {q(0.5)[0]:.0%} "
-              f"(quartiles {q(0.25)[0]:.0%}-{q(0.75)[0]:.0%}), median step {sorted(s for _, s in v)[len(v) // 2] * 1e3:.1f} ms")
+    for (state, batch), steps in sorted(shares.items()):
+        share = sorted(s for s, _ in steps)
+        quartile = [share[int(f * (len(share) - 1))] for f in (0.25, 0.5, 0.75)]
+        print(f"{state} state, batch {batch}: {len(steps)} steps, share of the limit median {quartile[1]:.0%} "
+              f"(quartiles {quartile[0]:.0%}-{quartile[2]:.0%}), median step {median([t for _, t in steps]) * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

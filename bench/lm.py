@@ -188,9 +188,12 @@ class Limits:
         probes this close tell which state a step ran in. Returns the median share, and the median
         step time and bandwidth."""
         steps = list(probed_steps(model, ids, new_tokens, self.read))
-        median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
         return (median([weight_bytes / step / max(a, b) for step, a, b in steps]), median([s[0] for s in steps]),
                 median([max(a, b) for _, a, b in steps]))
+
+
+def median(values) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def probed_steps(model, ids, new_tokens: int, read: ReadBandwidth):
@@ -256,10 +259,9 @@ def main() -> None:
     report(rows)
     # the same at equal bandwidth: per-step time x the bandwidth probed around the step (medians),
     # so that a run in the VM's slower memory state does not count as the longer prompt's cost
-    bytes_read = {n: sorted(step * max(a, b) for step, a, b in probed_steps(model, ids, new, limits.read))
-                  for n, ids in (("short", short_ids), ("long", long_ids))}
-    equal = bytes_read["long"][len(bytes_read["long"]) // 2] / bytes_read["short"][len(bytes_read["short"]) // 2]
-    print(f"decode per token after {long_prompt} vs after 128 prompt tokens: {equal:.2f}x at equal bandwidth "
+    short_cost, long_cost = (median([step * max(a, b) for step, a, b in probed_steps(model, ids, new, limits.read)])
+                             for ids in (short_ids, long_ids))
+    print(f"decode per token after {long_prompt} vs after 128 prompt tokens: {long_cost / short_cost:.2f}x at equal bandwidth "
           f"(step time x probed bandwidth, medians); {long / short:.2f}x between the best runs")
 
 
