@@ -37,11 +37,6 @@ class ReadBandwidth:
         return self.x.numel() * 4 / best_time(lambda: self.x.sum(), repeats=repeats)
 
 
-def memory_read_bandwidth(gib: float = 1.0) -> float:
-    """One probe of `ReadBandwidth`."""
-    return ReadBandwidth(gib)()
-
-
 def matmul_flops(n: int = 2048) -> float:
     """float32 FLOP/s of a large square matmul."""
     a, b = torch.randn(n, n), torch.randn(n, n)

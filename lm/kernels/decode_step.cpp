@@ -6,7 +6,8 @@
 //                   out_proj;
 //   attention:      norm, q/k/v projections (+ biases), attention_token.cpp, o_proj (+ bias);
 //   MLP:            norm, the fused MoE block (moe_decode.cpp) or a SwiGLU through the products;
-// each with its residual add; then the final norm.
+// each with its residual add; then the final norm. With 5-8 rows, the products of the weights given
+// to add_panels stream their panel copies (vec.h).
 
 #include "kernels.h"
 #include "vec.h"
