@@ -20,14 +20,15 @@ std::vector<at::Tensor> causal_conv(at::Tensor x, at::Tensor window, at::Tensor 
   auto wt = weight.t().contiguous();
   const float *xp = x.data_ptr<float>(), *wp = window.data_ptr<float>(), *tp = wt.data_ptr<float>();
   float *op = out.data_ptr<float>(), *nw = new_window.data_ptr<float>();
+  auto full_row = [&](int64_t b, int64_t f) {  // row f of full = [window; x] for batch row b
+    return f < K - 1 ? wp + (b * (K - 1) + f) * C : xp + (b * T + f - (K - 1)) * C;
+  };
   at::parallel_for(0, B * T, std::max<int64_t>(1, 16384 / std::max<int64_t>(C, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / T, t = r % T;
       float* o = op + r * C;
-      for (int64_t j = 0; j < K; ++j) {  // input row t + j of full = [window; x]
-        const int64_t f = t + j;
-        const float* in = f < K - 1 ? wp + (b * (K - 1) + f) * C : xp + (b * T + f - (K - 1)) * C;
-        const float* w = tp + j * C;
+      for (int64_t j = 0; j < K; ++j) {
+        const float *in = full_row(b, t + j), *w = tp + j * C;
         if (j == 0)
           for (int64_t c = 0; c < C; ++c) o[c] = in[c] * w[c];
         else
@@ -38,8 +39,7 @@ std::vector<at::Tensor> causal_conv(at::Tensor x, at::Tensor window, at::Tensor 
   at::silu_(out);  // ATen's vectorised SiLU: a scalar exp per element here took 3x the conv
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < K - 1; ++i) {  // rows T .. T+K-2 of full
-      const int64_t f = T + i;
-      const float* in = f < K - 1 ? wp + (b * (K - 1) + f) * C : xp + (b * T + f - (K - 1)) * C;
+      const float* in = full_row(b, T + i);
       std::copy(in, in + C, nw + (b * (K - 1) + i) * C);
     }
   return {out, new_window};
