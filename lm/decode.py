@@ -58,6 +58,7 @@ def build_plan(k, model, rows: int):
     if cfg.linear_value_head_dim % 16:
         return None
     plan = k.DecodePlan(cfg.rms_norm_eps)
+    streamed = []  # the mixers and dense MLPs, whose products take panel copies (moe_decode has its own)
     for layer in model.layers:
         if layer.layer_type == "linear_attention":
             a = layer.linear_attn
@@ -73,6 +74,7 @@ def build_plan(k, model, rows: int):
             biases = [_NO_TENSOR if p.bias is None else p.bias for p in projections]
             plan.add_attention(layer.input_layernorm.weight, *(p.weight for p in projections), biases,
                                a.q_norm.weight, a.k_norm.weight, a.head_dim**-0.5)
+        streamed.append(a)
         norm, mlp = layer.post_attention_layernorm.weight, layer.mlp
         if isinstance(mlp, SparseMoeBlock):
             if not mlp.experts.grouped:
@@ -83,11 +85,10 @@ def build_plan(k, model, rows: int):
                          mlp.shared_expert_gate.weight, kernels.MOE_PIECES)
         else:
             plan.add_dense_mlp(norm, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+            streamed.append(mlp)
     plan.set_final_norm(model.norm.weight)
-    if rows >= kernels.PANEL_ROWS:  # the products of the mixers and dense MLPs (moe_decode has its own)
-        parts = [layer.linear_attn if layer.layer_type == "linear_attention" else layer.self_attn for layer in model.layers]
-        parts += [layer.mlp for layer in model.layers if not isinstance(layer.mlp, SparseMoeBlock)]
-        for module in (m for part in parts for m in part.modules()):
+    if rows >= kernels.PANEL_ROWS:
+        for module in (m for part in streamed for m in part.modules()):
             if isinstance(module, Linear) and (copy := kernels.panels(module.weight)).numel():
                 plan.add_panels(module.weight, copy)
     return plan
