@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.out}, {len(todo)} to caption", file=sys.stderr)  # fmt: skip
         if not todo:
             return 0
-        pipeline = load_pipeline(model_path, device=args.device, dtype=args.dtype)
+        pipeline = load_pipeline(model_path, device=args.device, dtype=args.dtype, weights=args.weights)
         params = pipeline.default_params(args.preset, max_new_tokens=args.max_new_tokens, seed=args.seed)
         job = CaptionJob(args.prompt, params, args.thinking, args.fps, args.max_frames)
         with tqdm(total=len(todo), unit="video", dynamic_ncols=True, smoothing=0.1) as bar:

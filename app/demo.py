@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         path = resolve_model(args.model)  # prints the random-weights notice when no --model
     except FileNotFoundError as error:
         raise SystemExit(f"error: {error}") from None
-    pipeline = load_pipeline(path, device=args.device, dtype=args.dtype)
+    pipeline = load_pipeline(path, device=args.device, dtype=args.dtype, weights=args.weights)
     notice = RANDOM_WEIGHTS_NOTICE if args.model is None else None
     title = f"Qwen3.5 / Qwen3.6 chat: {Path(path).name}"
     demo = build_demo(pipeline, notice=notice, title=title, max_new_tokens=args.max_new_tokens,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from lm.formats.policy import CHOICES as WEIGHTS_CHOICES
 from mm import Pipeline
 
 from .default_model import RANDOM_WEIGHTS_NOTICE, default_model_path
@@ -28,11 +29,13 @@ def resolve_model(model: str | Path | None) -> Path:
     return path
 
 
-def load_pipeline(model: str | Path | None, *, device: str = "cpu", dtype: torch.dtype | str | None = None) -> Pipeline:
-    """`mm.Pipeline` for a checkpoint directory (None: the built-in random-weights model)."""
+def load_pipeline(model: str | Path | None, *, device: str = "cpu", dtype: torch.dtype | str | None = None,
+                  weights: str = "auto") -> Pipeline:
+    """`mm.Pipeline` for a checkpoint directory (None: the built-in random-weights model); `weights`
+    the storage format of the large weights (see `mm.load_model`)."""
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
-    return Pipeline.from_pretrained(resolve_model(model), device=device, dtype=dtype)
+    return Pipeline.from_pretrained(resolve_model(model), device=device, dtype=dtype, weights=weights)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -43,9 +46,12 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """--model, --device and --dtype, shared by the command-line front ends."""
+    """--model, --device, --dtype and --weights, shared by the command-line front ends."""
     parser.add_argument("--model", default=None, metavar="PATH",
                         help="checkpoint directory (default: the built-in tiny model with RANDOM weights)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                        help="weights dtype (default: float32 on CPU, bfloat16 on CUDA)")
+                        help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--weights", default="auto", metavar="FORMAT",
+                        help=f"storage of the large weights on CPU: {', '.join(WEIGHTS_CHOICES)}, or per part, e.g. "
+                             "'int4,attention=int8' (default auto: a bf16 checkpoint stays bf16, computed in float32)")

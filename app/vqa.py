@@ -57,8 +57,8 @@ class VQA:
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None,
-                 preset: str | None = None):  # fmt: skip
-        self.pipeline = load_pipeline(model, device=device, dtype=dtype)
+                 preset: str | None = None, weights: str = "auto"):  # fmt: skip
+        self.pipeline = load_pipeline(model, device=device, dtype=dtype, weights=weights)
         self.preset = preset
         self.pipeline.default_params(preset)  # refuse an unknown preset now
 

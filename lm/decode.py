@@ -87,7 +87,7 @@ def build_plan(k, model, rows: int):
             plan.add_dense_mlp(norm, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
             streamed.append(mlp)
     plan.set_final_norm(model.norm.weight)
-    if rows >= kernels.PANEL_ROWS:
+    if rows >= kernels.panel_rows():
         for module in (m for part in streamed for m in part.modules()):
             if isinstance(module, Linear) and (copy := kernels.panels(module.weight)).numel():
                 plan.add_panels(module.weight, copy)

@@ -62,12 +62,18 @@ class CausalLM(nn.Module):
         rotary = MRotaryEmbedding(self.config).to(self.lm_head.weight.device)
         self.model.rotary_emb = rotary
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of activations and caches (float32 on CPU). The norms are stored in it; large
+        weights may be stored in a compact format (lm/formats)."""
+        return self.model.norm.weight.dtype
+
     def make_cache(self, batch: int, max_len: int) -> Cache:
-        w = self.lm_head.weight
-        return Cache(self.config, batch, max_len, device=w.device, dtype=w.dtype)
+        return Cache(self.config, batch, max_len, device=self.model.norm.weight.device, dtype=self.compute_dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+        """Token embeddings [B, T, hidden] in the compute dtype (the table may be stored in bf16)."""
+        return self.model.embed_tokens(input_ids).to(self.compute_dtype)
 
     def forward(
         self,

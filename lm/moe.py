@@ -8,6 +8,7 @@ from torch import nn
 
 from . import kernels
 from .config import TextConfig
+from .formats import to_float
 from .mlp import SwiGLU
 
 
@@ -22,6 +23,9 @@ class Experts(nn.Module):
     into the tokens (expert_mlp.cpp), else a grouped GEMM (`torch._grouped_mm`). The reference
     (`grouped=False`, and any other device until the grouped paths are tested there) loops
     `F.linear` over the experts that received tokens. All give the same result.
+    The weights may be stored in any format of lm/formats (rows of H inputs for gate_up_proj, of I
+    for down_proj); the decode and prefill kernels read them directly, the other paths convert
+    each expert that received tokens to float32.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, grouped: bool = True):
@@ -51,6 +55,7 @@ class Experts(nn.Module):
         return torch.einsum("nkh,nk->nh", per_choice.view(n, top_k, -1), weights)
 
     def _fast(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        compact = self.gate_up_proj.dtype != xs.dtype or self.down_proj.dtype != xs.dtype
         if xs.device.type != "cpu":  # the grouped paths are built and tested for CPU only
             return self._reference(xs, counts)
         hit = counts.nonzero().squeeze(-1).tolist()
@@ -59,6 +64,8 @@ class Experts(nn.Module):
         if gate_up is not None:  # decode: few rows per expert, bandwidth-bound
             gate, up = gate_up.chunk(2, dim=-1)
             return kernels.grouped_linear(F.silu(gate) * up, self.down_proj, hit, sizes)
+        if compact:  # a grouped GEMM would need every expert in float32: only those with tokens
+            return self._reference(xs, counts)
         offsets = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
         gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
@@ -66,11 +73,12 @@ class Experts(nn.Module):
     def _reference(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         hit = counts.nonzero().squeeze(-1).tolist()
         ys = torch.empty_like(xs)
+        h, inter = xs.shape[-1], self.gate_up_proj.shape[1] // 2
         start = 0
         for e, size in zip(hit, counts[hit].tolist()):
             end = start + size
-            gate, up = F.linear(xs[start:end], self.gate_up_proj[e]).chunk(2, dim=-1)
-            ys[start:end] = F.linear(F.silu(gate) * up, self.down_proj[e])
+            gate, up = F.linear(xs[start:end], to_float(self.gate_up_proj[e], h).to(xs.dtype)).chunk(2, dim=-1)
+            ys[start:end] = F.linear(F.silu(gate) * up, to_float(self.down_proj[e], inter).to(xs.dtype))
             start = end
         return ys
 

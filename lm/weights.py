@@ -8,6 +8,11 @@
     lm_head.weight                                  -> lm_head.weight (absent when embeddings are tied)
     ...experts.{e}.{gate,up,down}_proj.weight       -> stacked into experts.gate_up_proj / down_proj
     mtp.*                                           -> not the LM's: mm.load_model skips it (MTP unused)
+
+Large weights may be stored in a compact format (lm/formats): `use_formats` gives their parameters
+the storage of their format before the model is allocated, and each tensor is converted as it is
+read, so the float32 model never exists. FP8 checkpoints (block-wise e4m3 with `*_scale_inv`) are
+dequantized by the reader, tensor by tensor.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from .formats import Format
+
 INDEX_FILE = "model.safetensors.index.json"
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -30,12 +37,20 @@ class WeightError(ValueError):
 
 
 class CheckpointReader:
-    """Name -> tensor access over a checkpoint directory's safetensors files, one tensor at a time."""
+    """Name -> tensor access over a checkpoint directory's safetensors files, one tensor at a time.
 
-    def __init__(self, path: str | Path):
+    With `fp8_block` (the [rows, cols] of Qwen's FP8 checkpoints' `weight_block_size`), F8_E4M3
+    tensors come back dequantized to float32 with their `<name>_scale_inv` (one scale per block),
+    and the scale tensors are not listed as tensors of their own."""
+
+    SCALE_SUFFIX = "_scale_inv"
+
+    def __init__(self, path: str | Path, *, fp8_block: tuple[int, int] | None = None):
         self.path = Path(path)
         self._handles: dict[Path, object] = {}
         self._file_of = self._index()
+        self.fp8_block = fp8_block
+        self._scales = {n for n in self._file_of if n.endswith(self.SCALE_SUFFIX)} if fp8_block else set()
 
     def _index(self) -> dict[str, Path]:
         index = self.path / INDEX_FILE
@@ -67,17 +82,43 @@ class CheckpointReader:
         return self._handles[file]
 
     def keys(self) -> list[str]:
-        return list(self._file_of)
+        return [n for n in self._file_of if n not in self._scales]
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._open(self._file_of[name]).get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> torch.dtype:
+        """The stored dtype of a tensor, without reading it."""
+        code = self._open(self._file_of[name]).get_slice(name).get_dtype()
+        return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                "F8_E4M3": torch.float8_e4m3fn}.get(code, torch.float32)
+
     def get(self, name: str) -> torch.Tensor:
+        tensor = self._read(name)
+        if tensor.dtype == torch.float8_e4m3fn and self.fp8_block:
+            scale = name + self.SCALE_SUFFIX
+            if scale not in self._file_of:
+                raise WeightError(f"FP8 tensor {name!r} has no {scale!r} in {self.path}")
+            return _dequantize_fp8(tensor, self._read(scale), self.fp8_block, name)
+        return tensor
+
+    def _read(self, name: str) -> torch.Tensor:
         file = self._file_of[name]
         try:
             return self._open(file).get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise WeightError(f"cannot read tensor {name!r} from {file}: {e}") from e
+
+
+def _dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
+    """e4m3 weight [..., R, C] times its scale per [block] tile (`scale_inv` [..., ceil(R/br), ceil(C/bc)])
+    -> float32, as Qwen's FP8 checkpoints are meant to be read (w = q * scale_inv)."""
+    (br, bc), (r, c) = block, w.shape[-2:]
+    expect = (*w.shape[:-2], -(-r // br), -(-c // bc))
+    if tuple(scale_inv.shape) != expect:
+        raise WeightError(f"FP8 scales of {name!r} have shape {list(scale_inv.shape)}, expected {list(expect)}")
+    full = scale_inv.float().repeat_interleave(br, -2)[..., :r, :].repeat_interleave(bc, -1)[..., :c]
+    return w.float() * full
 
 
 def lm_param_name(ckpt_name: str) -> str | None:
@@ -91,13 +132,34 @@ def lm_param_name(ckpt_name: str) -> str | None:
     return None
 
 
-def load_lm_weights(lm: nn.Module, reader: CheckpointReader) -> set[str]:
-    """Copy every LM tensor of the checkpoint into `lm` (cast to its dtype); return the names used.
+def use_formats(lm: nn.Module, formats: dict[str, Format]) -> None:
+    """Give each parameter named in `formats` the storage of its format (lm/formats), before the
+    model is allocated (on the meta device): a weight [..., N, K] becomes [..., N, row]. With tied
+    embeddings, an LM head in another format than the embedding table gets a table of its own."""
+    params = dict(lm.named_parameters(remove_duplicate=False))
+    for name, fmt in formats.items():
+        module_name, attr = name.rsplit(".", 1)
+        old = params[name]
+        storage = torch.empty(fmt.storage_shape(tuple(old.shape)), dtype=fmt.dtype, device=old.device)
+        setattr(lm.get_submodule(module_name), attr, nn.Parameter(storage, requires_grad=False))
+
+
+def heads_tied(lm: nn.Module) -> bool:
+    """Whether the LM head is the embedding table itself (tied and in one format)."""
+    return lm.lm_head.weight is lm.model.embed_tokens.weight
+
+
+def load_lm_weights(lm: nn.Module, reader: CheckpointReader, formats: dict[str, Format] | None = None) -> set[str]:
+    """Copy every LM tensor of the checkpoint into `lm`, converted to the storage format of its
+    parameter (`formats`, as given to `use_formats`; the others cast to the parameter's dtype);
+    return the names used.
 
     Raises `WeightError` naming the tensor for a missing, unexpected or mis-shaped tensor.
     """
+    formats = formats or {}
     params = dict(lm.named_parameters(remove_duplicate=False))
     tied = lm.config.tie_word_embeddings
+    own_head = tied and not heads_tied(lm)  # tied in the checkpoint, stored twice (two formats)
     pending = {n for n in params if not (tied and n == "lm_head.weight")}
     per_expert: dict[str, set[int]] = defaultdict(set)  # "<prefix>.gate_proj" -> experts loaded
     used: set[str] = set()
@@ -113,10 +175,15 @@ def load_lm_weights(lm: nn.Module, reader: CheckpointReader) -> set[str]:
         expert = _EXPERT.match(name)
         if expert:
             prefix, e, kind = expert.group(1), int(expert.group(2)), expert.group(3)
-            _copy(_expert_slice(params, prefix, e, kind, ckpt_name), reader.get(ckpt_name), ckpt_name)
+            fused = _fused_name(prefix, kind)
+            _copy(_expert_slice(params, prefix, e, kind, ckpt_name), reader.get(ckpt_name), ckpt_name,
+                  formats.get(fused))
             per_expert[f"{prefix}.{kind}"].add(e)
         elif name in params:
-            _copy(params[name], reader.get(ckpt_name), ckpt_name)
+            tensor = reader.get(ckpt_name)
+            _copy(params[name], tensor, ckpt_name, formats.get(name))
+            if own_head and name == "model.embed_tokens.weight":
+                _copy(params["lm_head.weight"], tensor, ckpt_name, formats.get("lm_head.weight"))
             pending.discard(name)
         else:
             raise WeightError(f"unexpected tensor {ckpt_name!r}: the language model has no parameter {name!r}")
@@ -126,11 +193,13 @@ def load_lm_weights(lm: nn.Module, reader: CheckpointReader) -> set[str]:
     return used
 
 
-def _copy(param: torch.Tensor, tensor: torch.Tensor, ckpt_name: str) -> None:
-    if tuple(tensor.shape) != tuple(param.shape):
-        raise WeightError(f"tensor {ckpt_name!r} has shape {list(tensor.shape)}, expected {list(param.shape)}")
+def _copy(param: torch.Tensor, tensor: torch.Tensor, ckpt_name: str, fmt: Format | None) -> None:
+    """param <- tensor, converted to `fmt` (None: cast to param's dtype)."""
+    expected = tuple(param.shape) if fmt is None else (*param.shape[:-1], fmt.inputs(param.shape[-1]))
+    if tuple(tensor.shape) != expected:
+        raise WeightError(f"tensor {ckpt_name!r} has shape {list(tensor.shape)}, expected {list(expected)}")
     with torch.no_grad():
-        param.copy_(tensor)
+        param.copy_(tensor if fmt is None else fmt.quantize(tensor))
 
 
 def _fused_name(prefix: str, kind: str) -> str:
@@ -142,7 +211,7 @@ def _expert_slice(params: dict, prefix: str, e: int, kind: str, ckpt_name: str) 
     fused = params.get(_fused_name(prefix, kind))
     if fused is None or e >= fused.shape[0]:
         raise WeightError(f"unexpected tensor {ckpt_name!r}: the model has no such expert")
-    inter = fused.shape[1] // 2
+    inter = fused.shape[1] // 2  # rows: the same in every storage format
     return {"gate_proj": fused[e, :inter], "up_proj": fused[e, inter:], "down_proj": fused[e]}[kind]
 
 

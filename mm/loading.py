@@ -8,7 +8,9 @@ from pathlib import Path
 import torch
 
 from lm import CheckpointReader, WeightError, load_lm_weights
+from lm.formats import policy
 from lm.hugepages import advise_huge_pages
+from lm.weights import heads_tied, use_formats
 from vision import load_vision_weights
 
 from .config import ModelConfig, read_config_json
@@ -22,24 +24,37 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> VLModel:
+def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               weights: str = "auto") -> VLModel:
     """Load `config.json` and the safetensors weights (single file or shards) of a Qwen3.5 checkpoint.
 
-    Tensors are streamed one at a time into a model allocated once on `device`. Every model
-    parameter must be in the checkpoint and every checkpoint tensor must be used, except `mtp.*`,
-    which is skipped; otherwise a `WeightError` names the tensor.
+    Tensors are streamed one at a time into a model allocated once on `device`, each converted to
+    its storage format as it is read (`weights`, see lm/formats/policy.py: "auto" keeps a bf16
+    checkpoint's large weights bf16 on CPU with float32 compute; "fp32", "bf16", "int8" (GGUF Q8_0
+    blocks), "int4" (Q4_0), with per-part overrides such as "int4,attention=int8"). Compact formats
+    are for CPU. Every model parameter must be in the checkpoint and every checkpoint tensor must
+    be used, except `mtp.*`, which is skipped; otherwise a `WeightError` names the tensor. FP8
+    checkpoints (Qwen's block-wise e4m3) are dequantized on reading; other quantization methods
+    are refused by name.
     """
     path = Path(path)
-    config = ModelConfig.from_hf(read_config_json(path))
+    raw = read_config_json(path)
+    config = ModelConfig.from_hf(raw)
     dtype = dtype or default_dtype(device)
-    reader = CheckpointReader(path)
+    policy.parse(weights)  # a bad spec fails before anything is read
+    reader = CheckpointReader(path, fp8_block=_fp8_block(raw, path))
     with torch.device("meta"):
         model = VLModel(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    formats = _formats(model, reader, weights, device, dtype)
+    use_formats(model.lm, formats)
+    tied = heads_tied(model.lm)
+    model = model.to_empty(device=device)
     advise_huge_pages(model.parameters())  # before the first write: decode streams these pages
     model.lm.init_buffers()
-    model.lm.tie_weights()
-    used = load_lm_weights(model.lm, reader)
+    if tied:
+        model.lm.tie_weights()
+    used = load_lm_weights(model.lm, reader, formats)
     if model.visual is not None:
         try:
             used |= load_vision_weights(model.visual, reader)
@@ -51,6 +66,33 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         raise WeightError(f"checkpoint has {len(unexpected)} tensor(s) this model does not use: {shown}")
     model.generation_config = _generation_config(path)
     return model.eval().requires_grad_(False)
+
+
+def _formats(model: VLModel, reader: CheckpointReader, weights: str, device, dtype: torch.dtype) -> dict:
+    """The storage format of each large LM weight; compact formats only on CPU with float32 compute."""
+    shapes = {n: tuple(p.shape) for n, p in model.lm.named_parameters(remove_duplicate=False)}
+    embed = next((k for k in reader.keys() if k.endswith("embed_tokens.weight")), None)
+    checkpoint_dtype = reader.dtype(embed) if embed else torch.float32
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        if weights != "auto":
+            raise ValueError(f"weights={weights!r} is for CPU with float32 compute; on {device} in {dtype} the "
+                             "weights are stored in the model dtype (use weights='auto')")
+        return {}
+    return policy.plan(shapes, weights, checkpoint_dtype)
+
+
+def _fp8_block(config: dict, path: Path) -> tuple[int, int] | None:
+    """The block size of a Qwen FP8 checkpoint, None for an unquantized one; other quantization
+    methods are refused by name."""
+    quant = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    if method != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
+        raise WeightError(f"{path}: quantization method {method!r} ({quant.get('fmt', '')}) is not supported; "
+                          "this pipeline reads bf16 / fp32 checkpoints and Qwen's block-wise FP8 (e4m3) ones")
+    block = quant.get("weight_block_size") or [128, 128]
+    return int(block[0]), int(block[1])
 
 
 def _generation_config(path: Path) -> dict:

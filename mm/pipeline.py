@@ -43,8 +43,10 @@ class Pipeline:
         self.max_context = max_context or model.config.text.max_position_embeddings
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None) -> "Pipeline":
-        return cls(load_model(path, device=device, dtype=dtype), Processor.from_pretrained(path))
+    def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None,
+                        weights: str = "auto") -> "Pipeline":
+        """`weights`: the storage format of the large weights (see `mm.load_model`)."""
+        return cls(load_model(path, device=device, dtype=dtype, weights=weights), Processor.from_pretrained(path))
 
     def default_params(self, preset: str | None = None, **overrides) -> SamplingParams:
         """Sampling defaults: the checkpoint's generation_config.json, or a named preset
@@ -68,7 +70,7 @@ class Pipeline:
             raise PromptTooLongError(f"{e}: the model's context is {self.max_context} tokens and "
                                      f"max_new_tokens={params.max_new_tokens} are kept for the answer") from e
         device = self.model.lm.lm_head.weight.device
-        return inputs.to(device, self.model.lm.lm_head.weight.dtype)
+        return inputs.to(device, self.model.lm.compute_dtype)
 
     def generate(self, conversations: Sequence[Conversation], params: SamplingParams | None = None, *,
                  enable_thinking: bool | None = None) -> list[Output]:  # fmt: skip

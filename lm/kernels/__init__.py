@@ -10,6 +10,10 @@ Prefill: the routed experts one per thread (expert_mlp.cpp) and the chunked delt
 side by side (chunked_delta_rule.cpp), where many small GEMMs run better single-threaded in parallel;
 the DeltaNet causal conv in one pass (causal_conv.cpp).
 
+Weights may be stored in any format of lm/formats (float32, bf16, GGUF Q8_0 / Q4_0 blocks): the
+decode products, the MoE blocks and the decode step read them in registers (kernels/formats.h);
+prefill products convert a compact weight to float32 once per call and use the GEMMs.
+
 One switch, the environment variable `QWEN35_CPU_KERNELS`:
     unset / "auto"  build the C++ kernels on first use (torch caches the build); if that fails
                     (no C++ compiler), say so once on stderr and use the reference paths
@@ -33,7 +37,10 @@ MAX_ROWS = 8  # decode batches; larger products go to MKL's GEMM, which is effic
 MIN_WEIGHT_ELEMENTS = 1 << 16  # smaller weights stay in cache: no bandwidth to win, only call overhead
 ATTENTION_GROUPS = (1, 2, 4, 8, 16)  # query heads per KV head that the decode attention kernel takes
 MOE_PIECES = 1  # moe_decode's parallel pieces per expert gate/up and per down (1 measured best at 2 threads)
-PANEL_ROWS = 5  # decode products of 5-8 rows stream panel copies of their weights (9: never)
+# Decode products of PANEL_ROWS-8 rows stream panel copies of their float32 weights (9: never).
+# None: 5 where the kernels were built for AVX-512, never with 8-float vectors (AVX2): there the
+# 8-row panel kernel (48 accumulators of 8 floats for 16 registers) spills and runs ~10x slower.
+PANEL_ROWS: int | None = None
 PANEL = 48  # output rows per panel (vec.h)
 
 _lock = threading.Lock()
@@ -91,6 +98,14 @@ def _eligible(rows: int, weight: torch.Tensor) -> bool:
     )
 
 
+def panel_rows() -> int:
+    """Rows from which decode products stream panel copies (see PANEL_ROWS)."""
+    if PANEL_ROWS is not None:
+        return PANEL_ROWS
+    module = _kernels()
+    return 5 if module is not None and module.VECTOR_FLOATS >= 16 else MAX_ROWS + 1
+
+
 _panels: dict = {}  # id(weight) -> (its version, panel copy); an entry goes when its weight does
 _NO_PANELS = torch.empty(0)
 
@@ -124,12 +139,22 @@ def panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through the small-batch kernel when it applies; decode rows (one
-    token each, x [B, 1, K]) from PANEL_ROWS on through the weight's panel copy."""
+    """`F.linear(x, weight, bias)` for a weight in any format (lm/formats), through the small-batch
+    kernel when it applies; decode rows (one token each, x [B, 1, K]) from `panel_rows()` on
+    through the weight's panel copy. A compact weight with more rows (prefill) or without the
+    kernels is converted to float32 for this call."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
+    if weight.dtype != x.dtype:  # a compact format
+        if 0 < rows <= MAX_ROWS and (k := _fusable(x)) is not None:
+            y = k.small_m_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, _NO_PANELS)
+            y = y if bias is None else y + bias
+            return y.view(*x.shape[:-1], weight.shape[0])
+        from ..formats import to_float
+
+        return F.linear(x, to_float(weight, x.shape[-1]).to(x.dtype), bias)
     if rows == 0 or not _eligible(rows, weight) or (k := _fusable(x)) is None:
         return F.linear(x, weight, bias)
-    decode = x.dim() == 3 and x.shape[1] == 1 and rows >= PANEL_ROWS
+    decode = x.dim() == 3 and x.shape[1] == 1 and rows >= panel_rows()
     y = k.small_m_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, panels(weight) if decode else _NO_PANELS)
     if bias is not None:
         y += bias
@@ -139,7 +164,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, experts: list[int], sizes: list[int]) -> torch.Tensor | None:
     """Rows of x [R, K] grouped by expert (`sizes` rows for each of `experts`) times their expert's
     weight[e] [N, K] -> [R, N]; None when the kernel does not apply (the caller uses its own path)."""
-    if not sizes or max(sizes) > MAX_ROWS or not weight.is_contiguous() or weight[0].numel() < MIN_WEIGHT_ELEMENTS // 4:
+    small = weight.dtype == torch.float32 and weight[0].numel() < MIN_WEIGHT_ELEMENTS // 4  # compact: always
+    if not sizes or max(sizes) > MAX_ROWS or not weight.is_contiguous() or small:
         return None
     if (k := _fusable(x)) is None:
         return None

@@ -2,6 +2,7 @@
 
 #include <torch/extension.h>
 
+#include "formats.h"
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -9,6 +10,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("panels"));
   m.def("multi_linear", &multi_linear, "[x W_i^T for each W_i], one parallel region", py::arg("x"),
         py::arg("weights"), py::arg("panels") = std::vector<at::Tensor>());
+  m.def("dequantize", &dequantize, "a weight of any format (formats.h) [..., N, row] -> float32 [..., N, K]",
+        py::arg("weight"), py::arg("K"));
+  // the accumulator width the format kernels were built with (16 floats with AVX-512, 8 with AVX2)
+  m.attr("VECTOR_FLOATS") = qwen35::W;
   m.def("grouped_linear", &grouped_linear, "per-expert y = x W[e]^T over rows grouped by expert");
   m.def("gated_delta_step", &gated_delta_step, "in-place gated delta rule decode step (float32, CPU)");
   m.def("gdn_decode", &gdn_decode, "a Gated DeltaNet decode step from projections to out_proj input");

@@ -4,6 +4,8 @@
 // One expert's group at a time per thread (its GEMMs single-threaded, taken dynamically from a shared
 // counter, largest first) instead of multi-threaded GEMMs one expert after another: the short-K
 // down products in particular run ~25% faster, and the gate/up activations stay in cache.
+// Weights in a compact format (formats.h) are converted to float32 per expert into the thread's
+// scratch first: once per expert per prefill call, shared by all of its token rows.
 
 #include "vec.h"
 
@@ -21,11 +23,11 @@ using namespace qwen35;
 at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Tensor offsets, at::Tensor token,
                       at::Tensor weight) {
   check(x, "x");
-  check(gate_up, "gate_up");
-  check(down, "down");
   check(weight, "weight");
-  const int64_t E = gate_up.size(0), I = down.size(2), N = x.size(0), H = x.size(1), S = token.numel();
-  TORCH_CHECK(gate_up.size(1) == 2 * I && gate_up.size(2) == H && down.size(0) == E && down.size(1) == H &&
+  const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2, N = x.size(0), H = x.size(1), S = token.numel();
+  const Rows gu = rows_of(gate_up, H, "experts.gate_up_proj"), dn = rows_of(down, I, "experts.down_proj");
+  const bool compact = gu.fmt != F32 || dn.fmt != F32;
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && down.size(0) == E && down.size(1) == H &&
                   offsets.numel() == E + 1 && offsets.scalar_type() == at::kLong &&
                   token.scalar_type() == at::kLong && weight.numel() == S,
               "expert shapes do not match");
@@ -44,13 +46,19 @@ at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Ten
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t) {
     c10::NoGradGuard no_grad;  // inference only (grad mode is per thread)
     float* out = partial.data_ptr<float>() + t0 * N * H;
+    at::Tensor gate_up_f, down_f;  // this thread's float32 copy of the current expert (compact formats)
+    if (compact) gate_up_f = at::empty({2 * I, H}, x.options()), down_f = at::empty({H, I}, x.options());
     for (int64_t i = next++; i < E; i = next++) {
       const int64_t e = order[i], r0 = op[e], rows = op[e + 1] - r0;
       if (rows == 0) break;  // sorted: the rest are empty
       auto xe = at::index_select(x, 0, tok.narrow(0, r0, rows));  // [rows, H]
-      auto h = at::mm(xe, gate_up[e].t());                         // [rows, 2I]
+      if (compact) {
+        to_float(gu.from(e * 2 * I), 2 * I, H, gate_up_f.data_ptr<float>());
+        to_float(dn.from(e * H), H, I, down_f.data_ptr<float>());
+      }
+      auto h = at::mm(xe, (compact ? gate_up_f : gate_up[e]).t());  // [rows, 2I]
       auto act = at::silu(h.narrow(1, 0, I)).mul_(h.narrow(1, I, I));
-      auto y = at::mm(act, down[e].t());  // [rows, H]
+      auto y = at::mm(act, (compact ? down_f : down[e]).t());  // [rows, H]
       const float* yp = y.data_ptr<float>();
       for (int64_t r = 0; r < rows; ++r) {
         float* dst = out + tp[r0 + r] * H;

@@ -7,10 +7,13 @@
 #include <unordered_map>
 #include <vector>
 
+// Weights W of the products, experts and decode plan are in any format of formats.h (float32,
+// bf16, Q8_0 or Q4_0 blocks); x, activations and results are float32.
 // panels: a panel copy of W (kernels.panels; vec.h), used for 5-8 rows, or an empty tensor
 at::Tensor small_m_linear(at::Tensor x, at::Tensor W, at::Tensor panels);
 std::vector<at::Tensor> multi_linear(at::Tensor x, std::vector<at::Tensor> weights, std::vector<at::Tensor> panels);
 at::Tensor grouped_linear(at::Tensor x, at::Tensor W, at::Tensor experts, at::Tensor offsets);
+at::Tensor dequantize(at::Tensor w, int64_t K);
 at::Tensor gated_delta_step(at::Tensor state, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor decay,
                             at::Tensor beta);
 at::Tensor gdn_decode(at::Tensor qkv, at::Tensor z, at::Tensor b_in, at::Tensor a_in, at::Tensor window,

@@ -26,7 +26,7 @@ namespace {
 struct Expert {
   const float* x;
   int64_t M;
-  const float *gate, *up, *down;
+  Rows gate, up, down;  // any weight format (formats.h)
   int64_t I;
   float* act;
   const int64_t* token;
@@ -42,8 +42,8 @@ struct Piece {
 void gate_up_piece(const Expert& e, int64_t i0, int64_t i1, int64_t H, float* scratch) {
   const int64_t w = i1 - i0;
   float *g = scratch, *u = g + e.M * w;
-  block(e.x, e.M, H, e.gate + i0 * H, H, 0, w, g, w);
-  block(e.x, e.M, H, e.up + i0 * H, H, 0, w, u, w);
+  block(e.x, e.M, H, e.gate.from(i0), H, 0, w, g, w);
+  block(e.x, e.M, H, e.up.from(i0), H, 0, w, u, w);
   for (int64_t m = 0; m < e.M; ++m)
     for (int64_t i = 0; i < w; ++i) e.act[m * e.I + i0 + i] = silu(g[m * w + i]) * u[m * w + i];
   e.ready->fetch_add(1, std::memory_order_release);
@@ -52,7 +52,7 @@ void gate_up_piece(const Expert& e, int64_t i0, int64_t i1, int64_t H, float* sc
 void down_piece(const Expert& e, int64_t h0, int64_t h1, int64_t H, float* out, float* scratch) {
   const int64_t w = h1 - h0;
   float* y = scratch;
-  block(e.act, e.M, e.I, e.down + h0 * e.I, e.I, 0, w, y, w);
+  block(e.act, e.M, e.I, e.down.from(h0), e.I, 0, w, y, w);
   for (int64_t m = 0; m < e.M; ++m) {
     float* o = out + e.token[m] * H + h0;
     const float c = e.weight[m];
@@ -70,20 +70,23 @@ void cut(std::vector<Piece>& pieces, int64_t expert, int64_t n, int64_t parts, b
 at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::Tensor down,
                          int64_t top_k, at::Tensor sh_gate, at::Tensor sh_up, at::Tensor sh_down,
                          at::Tensor sh_expert_gate, int64_t pieces_per_expert) {
-  for (auto* t : {&x, &router, &gate_up, &down, &sh_gate, &sh_up, &sh_down, &sh_expert_gate})
-    check(*t, "MoE decode tensors");
-  const int64_t N = x.size(0), H = x.size(1), E = router.size(0), I = down.size(2), Is = sh_gate.size(0);
-  TORCH_CHECK(router.size(1) == H && gate_up.size(0) == E && gate_up.size(1) == 2 * I && gate_up.size(2) == H &&
+  for (auto* t : {&x, &router, &sh_expert_gate}) check(*t, "MoE decode x, router and shared-expert gate");
+  const int64_t N = x.size(0), H = x.size(1), E = router.size(0), I = gate_up.size(1) / 2, Is = sh_gate.size(0);
+  TORCH_CHECK(router.size(1) == H && gate_up.dim() == 3 && gate_up.size(0) == E && down.dim() == 3 &&
                   down.size(0) == E && down.size(1) == H && sh_up.size(0) == Is && sh_down.size(0) == H &&
-                  sh_down.size(1) == Is && sh_expert_gate.numel() == H && top_k >= 1 && top_k <= E && N <= 8,
+                  sh_expert_gate.numel() == H && top_k >= 1 && top_k <= E && N <= 8,
               "MoE decode shapes do not match");
+  // the expert weights in any format (formats.h): gate_up [E, 2I, H], down [E, H, I], shared [Is, H] / [H, Is]
+  const Rows gu = rows_of(gate_up, H, "experts.gate_up_proj"), dn = rows_of(down, I, "experts.down_proj");
+  const Rows sg = rows_of(sh_gate, H, "shared gate_proj"), su = rows_of(sh_up, H, "shared up_proj");
+  const Rows sd = rows_of(sh_down, Is, "shared down_proj");
   const auto opt = x.options();
   const float* xp = x.data_ptr<float>();
 
   // 1. router and shared-expert gate logits
   auto logits = at::empty({N, E}, opt), gate_logit = at::empty({N, 1}, opt);
-  run_products({{xp, N, H, router.data_ptr<float>(), E, H, logits.data_ptr<float>()},
-                {xp, N, H, sh_expert_gate.data_ptr<float>(), 1, H, gate_logit.data_ptr<float>()}});
+  run_products({{xp, N, H, rows_of(router, H), E, H, logits.data_ptr<float>()},
+                {xp, N, H, rows_of(sh_expert_gate.view({1, H}), H), 1, H, gate_logit.data_ptr<float>()}});
 
   // 2. routing: top-k of the softmax, renormalised; selections grouped by expert (stable)
   const int64_t S = N * top_k;
@@ -138,12 +141,10 @@ at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::T
   float* actp = acts.data_ptr<float>();
   std::vector<std::atomic<int64_t>> ready(hit.size() + 1);
   for (auto& r : ready) r.store(0);
-  std::vector<Expert> experts{{xp, N, sh_gate.data_ptr<float>(), sh_up.data_ptr<float>(), sh_down.data_ptr<float>(),
-                               Is, actp, tokens.data(), shared_weight.data(), &ready[0]}};
-  const float *gup = gate_up.data_ptr<float>(), *dp = down.data_ptr<float>();
+  std::vector<Expert> experts{{xp, N, sg, su, sd, Is, actp, tokens.data(), shared_weight.data(), &ready[0]}};
   for (size_t j = 0; j < hit.size(); ++j) {
     const int64_t e = hit[j];
-    experts.push_back({xsp + start[e] * H, count[e], gup + e * 2 * I * H, gup + (e * 2 + 1) * I * H, dp + e * H * I,
+    experts.push_back({xsp + start[e] * H, count[e], gu.from(e * 2 * I), gu.from((e * 2 + 1) * I), dn.from(e * H),
                        I, actp + N * Is + start[e] * I, row_token.data() + start[e], row_weight.data() + start[e],
                        &ready[j + 1]});
   }

@@ -1,5 +1,6 @@
-// y = x W^T for a few rows of x (decode batches): x [M, K], W [N, K] row-major float32 -> y [M, N].
-// With 5-8 rows and a panel copy of W (see vec.h), through the panels.
+// y = x W^T for a few rows of x (decode batches): x [M, K] float32, W [N, K] row-major in any
+// weight format (formats.h: float32, bf16, Q8_0, Q4_0 blocks) -> y [M, N] float32. With 5-8 rows and
+// a panel copy of a float32 W (see vec.h), through the panels.
 //
 // Decode reads every weight once per step, so these products are limited by memory bandwidth, not
 // FLOPs, and MKL's GEMV/GEMM for such shapes uses one core (M = 1) or runs far below bandwidth
@@ -19,10 +20,10 @@ namespace {
 
 // The product of x [M, K] and W [N, K] into y, with W's panel copy when `panels` is not empty.
 Product product(const at::Tensor& x, const at::Tensor& W, const at::Tensor& panels, at::Tensor& y) {
-  check(W, "weight");
-  TORCH_CHECK(W.dim() == 2 && W.size(1) == x.size(1), "every weight must be [N, K] with x's K");
-  Product p{x.data_ptr<float>(), x.size(0), x.size(1), W.data_ptr<float>(), W.size(0), W.size(1), y.data_ptr<float>()};
+  TORCH_CHECK(W.dim() == 2, "every weight must be [N, K] (K in its format's row)");
+  Product p{x.data_ptr<float>(), x.size(0), x.size(1), rows_of(W, x.size(1)), W.size(0), x.size(1), y.data_ptr<float>()};
   if (panels.defined() && panels.numel()) {
+    TORCH_CHECK(p.W.fmt == F32, "panel copies are of float32 weights only");
     check(panels, "panels");
     TORCH_CHECK(panels.numel() == W.numel() && W.size(0) % V == 0, "panels must be a panel copy of the weight");
     p.panels = panels.data_ptr<float>();
@@ -51,11 +52,11 @@ std::vector<at::Tensor> multi_linear(at::Tensor x, std::vector<at::Tensor> weigh
 }
 
 // x [R, K] rows grouped by expert; experts [G] the expert of each group; offsets [G + 1] row bounds;
-// W [E, N, K] -> y [R, N] with y[rows of group g] = x[rows of g] W[experts[g]]^T.
+// W [E, N, K] (any format) -> y [R, N] with y[rows of group g] = x[rows of g] W[experts[g]]^T.
 at::Tensor grouped_linear(at::Tensor x, at::Tensor W, at::Tensor experts, at::Tensor offsets) {
   check(x, "x");
-  check(W, "weight");
-  TORCH_CHECK(W.dim() == 3 && x.dim() == 2 && x.size(1) == W.size(2), "bad grouped shapes");
+  TORCH_CHECK(W.dim() == 3 && x.dim() == 2, "bad grouped shapes");
+  const Rows weight = rows_of(W, x.size(1), "expert weight");
   TORCH_CHECK(experts.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong, "ids must be int64");
   const int64_t R = x.size(0), K = x.size(1), N = W.size(1), G = experts.size(0);
   auto e = experts.contiguous();
@@ -68,9 +69,24 @@ at::Tensor grouped_linear(at::Tensor x, at::Tensor W, at::Tensor experts, at::Te
     const int64_t rows = op[g + 1] - op[g];
     TORCH_CHECK(ep[g] >= 0 && ep[g] < W.size(0) && rows <= 8, "expert id out of range or more than 8 rows");
     if (rows > 0)
-      products.push_back({x.data_ptr<float>() + op[g] * K, rows, K, W.data_ptr<float>() + ep[g] * N * K, N, K,
+      products.push_back({x.data_ptr<float>() + op[g] * K, rows, K, weight.from(ep[g] * N), N, K,
                           y.data_ptr<float>() + op[g] * N});
   }
   run_products(products);
   return y;
+}
+
+// A weight of any format [..., N, row] with K inputs per row -> float32 [..., N, K] (formats.h),
+// rows in parallel: how prefill products of compact weights get their float32 matrix.
+at::Tensor dequantize(at::Tensor w, int64_t K) {
+  const Rows rows = rows_of(w, K);
+  auto sizes = w.sizes().vec();
+  sizes.back() = K;
+  auto out = at::empty(sizes, w.options().dtype(at::kFloat));
+  const int64_t N = w.numel() == 0 ? 0 : out.numel() / K;
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N, std::max<int64_t>(1, rows_per_task(K)), [&](int64_t n0, int64_t n1) {
+    to_float(rows.from(n0), n1 - n0, K, o + n0 * K);
+  });
+  return out;
 }

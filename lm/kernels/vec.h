@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "formats.h"
+
 namespace qwen35 {
 
 constexpr int V = 16;  // floats per vector
@@ -118,6 +120,74 @@ inline void block(const float* x, int64_t M, int64_t ldx, const float* W, int64_
   }
 }
 
+// The same products for a weight of any format (formats.h): blocks of 32 weights converted to
+// float32 in registers, then multiplied with x in float32. Up to 8 accumulators in flight (one
+// register each, also on AVX2), adding into y when `accumulate`; k0 is a multiple of 32.
+constexpr int64_t PREFETCH_BYTES = 4096;
+
+template <int R, class T>
+inline void dot_row_fmt(const float* x, int64_t ldx, const uint8_t* w, int64_t k0, int64_t k1, float* y, int64_t ldy,
+                        bool accumulate) {
+  constexpr int C = std::max(1, std::min(NB, 8 / R));  // accumulator chains per row
+  wvec a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = wvec{};
+  const int64_t b1 = k1 / QK;
+  for (int64_t b = k0 / QK; b < b1; ++b) {
+    __builtin_prefetch(w + b * T::block_bytes + PREFETCH_BYTES, 0, 3);
+    wvec wv[NB];
+    T::load(w, b, wv);
+    for (int j = 0; j < NB; ++j)
+      for (int r = 0; r < R; ++r) a[r][j % C] += wload(x + r * ldx + b * QK + j * W) * wv[j];
+  }
+  for (int r = 0; r < R; ++r) {
+    wvec t = a[r][0];
+    for (int c = 1; c < C; ++c) t += a[r][c];
+    float s = 0.f;
+    for (int i = 0; i < W; ++i) s += t[i];
+    if constexpr (T::block_bytes == QK * 4 || T::block_bytes == QK * 2)  // float formats: K % 32 tail
+      for (int64_t k = b1 * QK; k < k1; ++k) s += x[r * ldx + k] * T::at(w, k);
+    y[r * ldy] = accumulate ? y[r * ldy] + s : s;
+  }
+}
+
+// Rows [0, M) of x (M <= 8) times weight rows [n0, n1) of W (format T) -> y[:, n0:n1]; with 5-8
+// rows x is taken in chunks of K that stay in L1, as in `block`.
+template <class T>
+inline void block_fmt(const float* x, int64_t M, int64_t ldx, const Rows& W, int64_t K, int64_t n0, int64_t n1,
+                      float* y, int64_t ldy) {
+  const int64_t KC = M <= 4 ? K : 1024;
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t k1 = std::min(K, k0 + KC);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* w = W.row(n);
+      float* yn = y + n;
+      const bool acc = k0 > 0;
+      switch (M) {
+        case 1: dot_row_fmt<1, T>(x, ldx, w, k0, k1, yn, ldy, acc); break;
+        case 2: dot_row_fmt<2, T>(x, ldx, w, k0, k1, yn, ldy, acc); break;
+        case 3: dot_row_fmt<3, T>(x, ldx, w, k0, k1, yn, ldy, acc); break;
+        case 4: dot_row_fmt<4, T>(x, ldx, w, k0, k1, yn, ldy, acc); break;
+        case 5: dot_row_fmt<5, T>(x, ldx, w, k0, k1, yn, ldy, acc); break;
+        case 6: dot_row_fmt<6, T>(x, ldx, w, k0, k1, yn, ldy, acc); break;
+        case 7: dot_row_fmt<7, T>(x, ldx, w, k0, k1, yn, ldy, acc); break;
+        default: dot_row_fmt<8, T>(x, ldx, w, k0, k1, yn, ldy, acc); break;
+      }
+    }
+  }
+}
+
+// `block` for a weight of any format: the one entry point of the product kernels.
+inline void block(const float* x, int64_t M, int64_t ldx, const Rows& W, int64_t K, int64_t n0, int64_t n1, float* y,
+                  int64_t ldy) {
+  switch (W.fmt) {
+    case F32: block(x, M, ldx, W.f32(), K, n0, n1, y, ldy); break;
+    case BF16: block_fmt<TraitsBF16>(x, M, ldx, W, K, n0, n1, y, ldy); break;
+    case Q8_0: block_fmt<TraitsQ8_0>(x, M, ldx, W, K, n0, n1, y, ldy); break;
+    default: block_fmt<TraitsQ4_0>(x, M, ldx, W, K, n0, n1, y, ldy); break;
+  }
+}
+
 // Panel copies for 5-8 rows (kernels.panels in Python): W [N, K] as consecutive panels of PANEL
 // output rows (the last one 16 or 32 when N % 48 != 0), each stored k-major: panel p holds
 // W[p*48 + j, k] at p*48*K + k*width + j. With 5-8 rows of x the row-major products above are
@@ -179,12 +249,12 @@ inline void panel_block(const float* xt, int64_t M, const float* panels, int64_t
 #endif
 inline int64_t rows_per_task(int64_t K) { return std::max<int64_t>(4, QWEN35_TASK_FLOATS / std::max<int64_t>(K, 1)); }
 
-// One weight matrix of a product list: x [M, K] (row stride ldx) times W [N, K] -> y [M, N]; with
-// `panels` (a panel copy of W, or null) and 5-8 rows, through the panels.
+// One weight matrix of a product list: x [M, K] (row stride ldx) times W [N, K] (any format) -> y
+// [M, N]; with `panels` (a panel copy of a float32 W, or null) and 5-8 rows, through the panels.
 struct Product {
   const float* x;
   int64_t M, ldx;
-  const float* W;
+  Rows W;
   int64_t N, K;
   float* y;
   const float* panels = nullptr;

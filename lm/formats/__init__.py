@@ -1,0 +1,96 @@
+"""Weight storage formats on CPU: one table of traits per format, read by every product.
+
+Compute is float32 on CPU; a format is how a large weight is stored and streamed. A weight in any
+format is a plain tensor whose last dimension holds one row of K inputs (lm/kernels/formats.h reads
+the same tensors, in registers):
+
+    name   storage                              bits per weight   to float32
+    fp32   float32 [..., N, K]                  32                as is
+    bf16   bfloat16 [..., N, K]                 16                exact
+    int8   uint8 [..., N, K/32*34], GGUF Q8_0    8.5              w = d q, fp16 d per 32 weights
+    int4   uint8 [..., N, K/32*18], GGUF Q4_0    4.5              w = d (q - 8)
+
+The format of a tensor follows from its dtype and, for uint8, from its row size relative to K, so a
+layer holds its weight as before and never names a format: `to_float(w, k)` gives the float32 matrix
+(prefill, reference paths), the C++ kernels read it directly (decode). GGUF's blocks were chosen so
+the quantizers can be checked bit for bit against the `gguf` package (tests/lm/test_formats.py) and
+the error compared with llama.cpp's at the same width (bench/formats.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import blocks
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    dtype: torch.dtype  # of the storage
+    block: int  # weights per block along K (1: not blocked)
+    block_bytes: int  # storage elements per block
+    quantize: Callable[[torch.Tensor], torch.Tensor]  # float [..., K] -> storage [..., row]
+    dequantize: Callable[[torch.Tensor, int], torch.Tensor]  # storage [..., row], K -> float32 [..., K]
+
+    @property
+    def blocked(self) -> bool:
+        return self.block > 1
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.block_bytes * torch.empty(0, dtype=self.dtype).element_size() / self.block
+
+    def fits(self, k: int) -> bool:
+        """Whether rows of k inputs can be stored in this format."""
+        return k % self.block == 0
+
+    def row_size(self, k: int) -> int:
+        return k // self.block * self.block_bytes
+
+    def storage_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (*shape[:-1], self.row_size(shape[-1]))
+
+    def inputs(self, row: int) -> int:
+        """K of a stored row of `row` elements."""
+        return row // self.block_bytes * self.block
+
+
+FP32 = Format("fp32", torch.float32, 1, 1, lambda w: w.float(), lambda w, k: w)
+BF16 = Format("bf16", torch.bfloat16, 1, 1, lambda w: w.to(torch.bfloat16), lambda w, k: w.float())
+INT8 = Format("int8", torch.uint8, blocks.QK, blocks.Q8_0_BYTES, blocks.quantize_q8_0, blocks.dequantize_q8_0)
+INT4 = Format("int4", torch.uint8, blocks.QK, blocks.Q4_0_BYTES, blocks.quantize_q4_0, blocks.dequantize_q4_0)
+FORMATS: dict[str, Format] = {f.name: f for f in (FP32, BF16, INT8, INT4)}
+
+
+def format_of(w: torch.Tensor, k: int) -> Format:
+    """The format of weight storage `w` [..., row] whose rows hold k inputs."""
+    if w.dtype == torch.float32 or w.dtype == torch.bfloat16:
+        if w.shape[-1] != k:
+            raise ValueError(f"a {w.dtype} weight with rows of {w.shape[-1]} cannot take {k} inputs")
+        return FP32 if w.dtype == torch.float32 else BF16
+    if w.dtype == torch.uint8 and k % blocks.QK == 0:
+        for f in (INT8, INT4):
+            if w.shape[-1] == f.row_size(k):
+                return f
+    raise ValueError(f"weight storage {w.dtype} {list(w.shape)} is no known format for rows of {k} inputs")
+
+
+def is_compact(w: torch.Tensor, compute_dtype: torch.dtype) -> bool:
+    """Whether `w` is stored in another format than the activations' dtype (it needs converting)."""
+    return w.dtype != compute_dtype
+
+
+def to_float(w: torch.Tensor, k: int) -> torch.Tensor:
+    """Weight storage [..., row] -> float32 [..., K]; a float32 weight is returned as it is.
+    Through the C++ kernel when the CPU kernels are on (one pass, all threads), else the reference."""
+    if w.dtype == torch.float32:
+        return w
+    from .. import kernels
+
+    if w.device.type == "cpu" and (module := kernels._kernels()) is not None:
+        return module.dequantize(w.contiguous(), k)
+    return format_of(w, k).dequantize(w, k)

@@ -1,0 +1,87 @@
+"""GGUF's Q8_0 and Q4_0 block formats in PyTorch: quantize and dequantize, bit for bit as the `gguf`
+package's numpy reference (`gguf.quants`, itself bit-exact with ggml-quants.c).
+
+A block is 32 consecutive weights of one row (along K, the input dimension), stored as its fp16
+scale d (2 bytes, little-endian) followed by the quants:
+    Q8_0  32 int8 q              w = d * q          34 bytes per 32 weights (8.5 bits per weight)
+    Q4_0  16 bytes: q[j] in the low nibble of byte j, q[j + 16] in its high nibble, q in [0, 15]
+                                 w = d * (q - 8)    18 bytes per 32 weights (4.5 bits per weight)
+d * q is exact in float32 (11 + 8 significant bits), so dequantizing loses nothing further.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QK = 32  # weights per block
+Q8_0_BYTES = 2 + QK
+Q4_0_BYTES = 2 + QK // 2
+_CHUNK = 1 << 22  # weights quantized at a time: bounds the float32 temporaries (~16 MB each)
+
+
+def _roundf(n: torch.Tensor) -> torch.Tensor:
+    """Round half away from zero, as gguf's np_roundf computes it."""
+    a = n.abs()
+    floored = a.floor()
+    return n.sign() * (floored + (2 * (a - floored)).floor())
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d == 0, torch.zeros_like(d), 1 / d)
+
+
+def _q8_0_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [n, 32] -> uint8 [n, 34]."""
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    qs = _roundf(blocks * _inverse(d)).to(torch.int8)
+    return torch.cat([d.half().view(torch.uint8), qs.view(torch.uint8)], dim=-1)
+
+
+def _q4_0_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 [n, 32] -> uint8 [n, 18]: d = (the weight of largest magnitude) / -8."""
+    largest = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
+    d = largest / -8
+    q = torch.trunc(blocks * _inverse(d) + 8.5).to(torch.uint8).clamp_(0, 15)
+    packed = q[:, : QK // 2] | (q[:, QK // 2 :] << 4)
+    return torch.cat([d.half().view(torch.uint8), packed], dim=-1)
+
+
+def _quantize(w: torch.Tensor, block_bytes: int, blocks_fn) -> torch.Tensor:
+    k = w.shape[-1]
+    if k % QK:
+        raise ValueError(f"block formats need rows of a multiple of {QK} weights, got {k}")
+    flat = w.reshape(-1, QK)
+    out = torch.empty(flat.shape[0], block_bytes, dtype=torch.uint8)
+    step = _CHUNK // QK
+    for i in range(0, flat.shape[0], step):
+        out[i : i + step] = blocks_fn(flat[i : i + step].float())
+    return out.view(*w.shape[:-1], k // QK * block_bytes)
+
+
+def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
+    """Weights [..., K] (any float dtype; K % 32 == 0) -> Q8_0 rows uint8 [..., K / 32 * 34]."""
+    return _quantize(w, Q8_0_BYTES, _q8_0_blocks)
+
+
+def quantize_q4_0(w: torch.Tensor) -> torch.Tensor:
+    """Weights [..., K] (any float dtype; K % 32 == 0) -> Q4_0 rows uint8 [..., K / 32 * 18]."""
+    return _quantize(w, Q4_0_BYTES, _q4_0_blocks)
+
+
+def _scales(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks[:, :2].contiguous().view(torch.float16).float()  # [n, 1]
+
+
+def dequantize_q8_0(q: torch.Tensor, k: int) -> torch.Tensor:
+    """Q8_0 rows uint8 [..., K / 32 * 34] -> float32 [..., K]."""
+    blocks = q.reshape(-1, Q8_0_BYTES)
+    w = _scales(blocks) * blocks[:, 2:].contiguous().view(torch.int8).float()
+    return w.view(*q.shape[:-1], k)
+
+
+def dequantize_q4_0(q: torch.Tensor, k: int) -> torch.Tensor:
+    """Q4_0 rows uint8 [..., K / 32 * 18] -> float32 [..., K]."""
+    blocks = q.reshape(-1, Q4_0_BYTES)
+    packed = blocks[:, 2:]
+    values = torch.cat([packed & 15, packed >> 4], dim=-1).float() - 8  # [n, 32]: q[0..15], q[16..31]
+    return (_scales(blocks) * values).view(*q.shape[:-1], k)

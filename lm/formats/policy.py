@@ -1,0 +1,100 @@
+"""Which format each language-model weight is stored in: `weights=` of `mm.load_model`.
+
+A spec is a base format, optionally followed by per-part overrides, comma-separated:
+
+    "auto"                      bf16 where the checkpoint is bf16 (or fp8), else fp32: lossless
+    "fp32" | "bf16" | "int8" | "int4"
+    "int4,attention=int8"       int4, but the full-attention projections int8
+    "experts=int4"              auto, with the routed experts int4
+
+Parts (the large weights, streamed by every decode step):
+    experts        the routed experts (mlp.experts.gate_up_proj / down_proj)
+    shared_expert  the shared expert's projections
+    attention      the full-attention q/k/v/o projections
+    deltanet       the Gated DeltaNet in_proj_qkv, in_proj_z and out_proj
+    mlp            the dense MLP projections (dense models)
+    lm_head        the LM head
+    embed          the embedding table: fp32 or bf16 only (rows are gathered, not streamed); with an
+                   int8/int4 base it stays bf16
+Everything else (norms, the conv, A_log, dt_bias, the router, the shared-expert gate, DeltaNet's
+small in_proj_a/b) stays in the compute dtype, float32 on CPU, converted exactly from bf16.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import torch
+
+from . import BF16, FORMATS, FP32, Format
+
+PARTS = ("experts", "shared_expert", "attention", "deltanet", "mlp", "lm_head", "embed")
+CHOICES = ("auto", "fp32", "bf16", "int8", "int4")
+_PART_OF = [
+    (re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$"), "experts"),
+    (re.compile(r"\.mlp\.shared_expert\.(gate|up|down)_proj\.weight$"), "shared_expert"),
+    (re.compile(r"\.self_attn\.[qkvo]_proj\.weight$"), "attention"),
+    (re.compile(r"\.linear_attn\.(in_proj_qkv|in_proj_z|out_proj)\.weight$"), "deltanet"),
+    (re.compile(r"\.mlp\.(gate|up|down)_proj\.weight$"), "mlp"),
+    (re.compile(r"^lm_head\.weight$"), "lm_head"),
+    (re.compile(r"\.embed_tokens\.weight$"), "embed"),
+]
+
+
+def part_of(name: str) -> str | None:
+    """The part of a `CausalLM` parameter name (see PARTS), or None for the small tensors."""
+    for pattern, part in _PART_OF:
+        if pattern.search(name):
+            return part
+    return None
+
+
+def parse(spec: str) -> dict[str, str]:
+    """A weights spec -> {part: format name or "auto"} for every part; ValueError names a bad item."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"weights must be one of {', '.join(CHOICES)} (optionally 'part=format,...'), got {spec!r}")
+    items = [item.strip() for item in spec.split(",")]
+    base = "auto"
+    if "=" not in items[0]:
+        base = items.pop(0)
+    if base not in CHOICES:
+        raise ValueError(f"unknown weights format {base!r}: choose one of {', '.join(CHOICES)}")
+    parts = {p: base for p in PARTS}
+    if base in ("int8", "int4"):
+        parts["embed"] = "auto"
+    for item in items:
+        part, _, fmt = item.partition("=")
+        part, fmt = part.strip(), fmt.strip()
+        if part not in PARTS:
+            raise ValueError(f"unknown weights part {part!r} in {spec!r}: parts are {', '.join(PARTS)}")
+        if fmt not in CHOICES or (part == "embed" and fmt in ("int8", "int4")):
+            allowed = "auto, fp32, bf16" if part == "embed" else ", ".join(CHOICES)
+            raise ValueError(f"weights part {part}={fmt!r}: choose one of {allowed}")
+        parts[part] = fmt
+    return parts
+
+
+def plan(shapes: dict[str, tuple[int, ...]], spec: str, checkpoint_dtype: torch.dtype) -> dict[str, Format]:
+    """The storage format of every large LM parameter (name -> Format; the rest stay in the compute
+    dtype). `shapes` are the parameters' logical shapes; "auto" means bf16 for a bf16 (or fp8)
+    checkpoint, else fp32. A block format that does not fit a weight's rows (K % 32) leaves it in
+    bf16, said once on stderr with the names."""
+    parts = parse(spec)
+    auto = BF16 if checkpoint_dtype in (torch.bfloat16, torch.float8_e4m3fn) else FP32
+    formats, unfit = {}, []
+    for name, shape in shapes.items():
+        part = part_of(name)
+        if part is None:
+            continue
+        fmt = auto if parts[part] == "auto" else FORMATS[parts[part]]
+        if not fmt.fits(shape[-1]):
+            unfit.append(name)
+            fmt = BF16
+        if fmt is not FP32:
+            formats[name] = fmt
+    if unfit:
+        shown = ", ".join(unfit[:4]) + (f" (and {len(unfit) - 4} more)" if len(unfit) > 4 else "")
+        print(f"[qwen35] weights={spec}: {len(unfit)} weight(s) have rows that are no multiple of 32 and stay "
+              f"bf16: {shown}", file=sys.stderr)
+    return formats

@@ -1,0 +1,199 @@
+// Weight storage formats: one traits struct per format, read by every product kernel (ggml's
+// type_traits in miniature). A weight of any format is a row-major tensor [..., N, row] whose last
+// dimension holds one output row of K inputs:
+//   F32   float32  [..., N, K]
+//   BF16  bfloat16 [..., N, K]                   bf16 -> float32 is exact (a shift)
+//   Q8_0  uint8    [..., N, K / 32 * 34]         GGUF Q8_0 blocks: fp16 scale d, 32 int8 q; w = d q
+//   Q4_0  uint8    [..., N, K / 32 * 18]         GGUF Q4_0 blocks: fp16 scale d, 16 bytes holding
+//                                                q[j] (low nibble) and q[j + 16] (high); w = d (q - 8)
+// The format follows from the dtype and, for uint8, from the row size relative to K (34 != 18 per
+// block), so the kernels take the same tensors as before and Python needs no format argument.
+// Each traits struct turns one block of 32 weights into float32 vectors in registers (`load`):
+// the products compute in float32 with the dequantized weights, which are exact (an fp16 scale times
+// a small integer fits in float32), so a product equals dequantize-then-matmul up to summation order.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace qwen35 {
+
+// Accumulator width of the format kernels: one register (16 floats with AVX-512, else 8), so that
+// the chains of up to 8 rows stay in registers on AVX2's 16 ymm registers too.
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#else
+constexpr int W = 8;
+#endif
+typedef float wvec __attribute__((vector_size(W * sizeof(float))));
+typedef int8_t wvec_i8 __attribute__((vector_size(W)));
+typedef uint8_t wvec_u8 __attribute__((vector_size(W)));
+typedef uint16_t wvec_u16 __attribute__((vector_size(W * 2)));
+typedef uint32_t wvec_u32 __attribute__((vector_size(W * 4)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
+constexpr int QK = 32;       // weights per block of the block formats
+constexpr int NB = QK / W;   // vectors per block
+
+enum Fmt : int { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3 };
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
+}
+
+inline wvec wload(const float* p) {
+  wvec v;
+  std::memcpy(&v, p, sizeof(wvec));
+  return v;
+}
+
+struct TraitsF32 {
+  static constexpr int64_t block_bytes = QK * 4;
+  static inline void load(const uint8_t* row, int64_t b, wvec* w) {
+    const float* p = reinterpret_cast<const float*>(row) + b * QK;
+    for (int j = 0; j < NB; ++j) w[j] = wload(p + j * W);
+  }
+  static inline float at(const uint8_t* row, int64_t k) { return reinterpret_cast<const float*>(row)[k]; }
+};
+
+struct TraitsBF16 {
+  static constexpr int64_t block_bytes = QK * 2;
+  static inline void load(const uint8_t* row, int64_t b, wvec* w) {
+    const uint8_t* p = row + b * block_bytes;
+    for (int j = 0; j < NB; ++j) {
+      wvec_u16 h;
+      std::memcpy(&h, p + j * W * 2, sizeof(h));
+      const wvec_u32 u = __builtin_convertvector(h, wvec_u32) << 16;
+      std::memcpy(&w[j], &u, sizeof(wvec));
+    }
+  }
+  static inline float at(const uint8_t* row, int64_t k) {
+    uint16_t h;
+    std::memcpy(&h, row + 2 * k, 2);
+    const uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+
+struct TraitsQ8_0 {
+  static constexpr int64_t block_bytes = 2 + QK;
+  static inline void load(const uint8_t* row, int64_t b, wvec* w) {
+    const uint8_t* p = row + b * block_bytes;
+    const float d = half_to_float(p);
+    for (int j = 0; j < NB; ++j) {
+      wvec_i8 q;
+      std::memcpy(&q, p + 2 + j * W, sizeof(q));
+      w[j] = __builtin_convertvector(q, wvec) * d;
+    }
+  }
+};
+
+struct TraitsQ4_0 {
+  static constexpr int64_t block_bytes = 2 + QK / 2;
+  static inline void load(const uint8_t* row, int64_t b, wvec* w) {
+    const uint8_t* p = row + b * block_bytes;
+    const float d = half_to_float(p);
+    u8x16 q;
+    std::memcpy(&q, p + 2, 16);
+    const u8x16 lo = q & 15, hi = q >> 4;  // weights 0-15 and 16-31 of the block
+#if defined(__AVX512F__)
+    w[0] = (__builtin_convertvector(lo, wvec) - 8.f) * d;
+    w[1] = (__builtin_convertvector(hi, wvec) - 8.f) * d;
+#else
+    const wvec_u8 l0 = __builtin_shufflevector(lo, lo, 0, 1, 2, 3, 4, 5, 6, 7);
+    const wvec_u8 l1 = __builtin_shufflevector(lo, lo, 8, 9, 10, 11, 12, 13, 14, 15);
+    const wvec_u8 h0 = __builtin_shufflevector(hi, hi, 0, 1, 2, 3, 4, 5, 6, 7);
+    const wvec_u8 h1 = __builtin_shufflevector(hi, hi, 8, 9, 10, 11, 12, 13, 14, 15);
+    w[0] = (__builtin_convertvector(l0, wvec) - 8.f) * d;
+    w[1] = (__builtin_convertvector(l1, wvec) - 8.f) * d;
+    w[2] = (__builtin_convertvector(h0, wvec) - 8.f) * d;
+    w[3] = (__builtin_convertvector(h1, wvec) - 8.f) * d;
+#endif
+  }
+};
+
+// Bytes of one row of K weights in format f.
+inline int64_t row_bytes(Fmt f, int64_t K) {
+  switch (f) {
+    case F32: return K * 4;
+    case BF16: return K * 2;
+    case Q8_0: return K / QK * TraitsQ8_0::block_bytes;
+    default: return K / QK * TraitsQ4_0::block_bytes;
+  }
+}
+
+// A weight's rows in its format: row n starts at data + n * stride bytes.
+struct Rows {
+  Fmt fmt = F32;
+  const uint8_t* data = nullptr;
+  int64_t stride = 0;
+  const uint8_t* row(int64_t n) const { return data + n * stride; }
+  Rows from(int64_t n) const { return {fmt, row(n), stride}; }
+  const float* f32() const { return reinterpret_cast<const float*>(data); }
+};
+
+// The format of a weight tensor [..., N, row] whose rows hold K inputs; a clear error otherwise.
+inline Fmt format_of(const at::Tensor& w, int64_t K, const char* name) {
+  TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && w.dim() >= 2, name, " must be a contiguous CPU tensor");
+  const int64_t last = w.size(-1);
+  switch (w.scalar_type()) {
+    case at::kFloat: TORCH_CHECK(last == K, name, ": float32 rows of ", last, ", expected ", K); return F32;
+    case at::kBFloat16: TORCH_CHECK(last == K, name, ": bfloat16 rows of ", last, ", expected ", K); return BF16;
+    case at::kByte:
+      TORCH_CHECK(K % QK == 0, name, ": block formats need K % 32 == 0, got K = ", K);
+      if (last == row_bytes(Q8_0, K)) return Q8_0;
+      TORCH_CHECK(last == row_bytes(Q4_0, K), name, ": uint8 rows of ", last, " bytes are neither Q8_0 (",
+                  row_bytes(Q8_0, K), ") nor Q4_0 (", row_bytes(Q4_0, K), ") blocks of K = ", K);
+      return Q4_0;
+    default: TORCH_CHECK(false, name, ": unsupported weight dtype ", w.scalar_type());
+  }
+  return F32;
+}
+
+inline Rows rows_of(const at::Tensor& w, int64_t K, const char* name = "weight") {
+  const Fmt f = format_of(w, K, name);
+  return {f, static_cast<const uint8_t*>(w.data_ptr()), row_bytes(f, K)};
+}
+
+// Rows [0, N) of a weight as float32 into out [N, K] (the traits' to_float).
+template <class T>
+inline void rows_to_float(const Rows& w, int64_t N, int64_t K, float* out) {
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* r = w.row(n);
+    float* o = out + n * K;
+    wvec v[NB];
+    int64_t b = 0;
+    for (; (b + 1) * QK <= K; ++b) {
+      T::load(r, b, v);
+      std::memcpy(o + b * QK, v, sizeof(v));
+    }
+    if constexpr (T::block_bytes == QK * 4 || T::block_bytes == QK * 2)  // float formats: a tail
+      for (int64_t k = b * QK; k < K; ++k) o[k] = T::at(r, k);
+  }
+}
+
+inline void to_float(const Rows& w, int64_t N, int64_t K, float* out) {
+  switch (w.fmt) {
+    case F32: rows_to_float<TraitsF32>(w, N, K, out); break;
+    case BF16: rows_to_float<TraitsBF16>(w, N, K, out); break;
+    case Q8_0: rows_to_float<TraitsQ8_0>(w, N, K, out); break;
+    default: rows_to_float<TraitsQ4_0>(w, N, K, out); break;
+  }
+}
+
+}  // namespace qwen35
