@@ -54,15 +54,16 @@ def build(workdir: Path):
 
 
 def weight_bytes_per_step(model, experts_touched_per_layer: float) -> float:
-    """Bytes of weights one decode step reads: everything but the embedding table and unused experts."""
-    cfg = model.config.text
-    total = 0
+    """Bytes of weights one decode step reads, in their storage format: everything but the
+    embedding table and unused experts."""
+    total, per_expert = 0, 0  # per_expert: one expert's bytes in every layer
     for name, p in model.lm.named_parameters():
-        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj") or "embed_tokens" in name:
+        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+            per_expert += p[0].numel() * p.element_size()
             continue
-        total += p.numel() * p.element_size()
-    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
-    return total + cfg.num_hidden_layers * experts_touched_per_layer * per_expert
+        if "embed_tokens" not in name:
+            total += p.numel() * p.element_size()
+    return total + experts_touched_per_layer * per_expert
 
 
 def weights_per_token(model) -> tuple[int, int]:

@@ -10,14 +10,15 @@ projections, the fused norm/rotary/KV-write/attention/gate kernel and o_proj; pe
 the fused MoE block (or a SwiGLU); the residual adds; the final norm.
 
 It applies to float32 CPU activations with the kernels on (`QWEN35_CPU_KERNELS`), at most
-`kernels.MAX_ROWS` rows, DeltaNet value head dims divisible by 16, query/KV head ratios in
-`kernels.ATTENTION_GROUPS` and grouped experts; otherwise `decode_layers` returns None and the
-caller runs its layers. (Every norm of the model is built with the config's rms_norm_eps, which the
+`kernels.MAX_ROWS` rows, DeltaNet value head dims divisible by 16 and grouped experts, with weights
+in any storage format (lm/formats) and any query/KV head ratio; otherwise `decode_layers` returns
+None (saying once on stderr why, when the reason is the model's shape) and the caller runs its layers. (Every norm of the model is built with the config's rms_norm_eps, which the
 plan takes once.) tests/lm/test_decode.py checks it against the reference path.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -28,6 +29,14 @@ from .linear import Linear
 from .moe import SparseMoeBlock
 
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Cache -> DecodePlan or None (n/a)
+_said: set[str] = set()
+
+
+def _step_aside(reason: str) -> None:
+    """No plan for this model: say why, once per reason."""
+    if reason not in _said:
+        _said.add(reason)
+        print(f"[qwen35] the one-call CPU decode step does not apply ({reason}); decoding layer by layer", file=sys.stderr)
 _NO_TENSOR, _NO_MASK = torch.empty(0), torch.empty(0, dtype=torch.bool)
 
 
@@ -56,7 +65,7 @@ def build_plan(k, model, rows: int):
     on, the attention, DeltaNet and dense-MLP products stream panel copies of their weights."""
     cfg = model.config
     if cfg.linear_value_head_dim % 16:
-        return None
+        return _step_aside(f"DeltaNet value head dim {cfg.linear_value_head_dim} is no multiple of 16")
     plan = k.DecodePlan(cfg.rms_norm_eps)
     streamed = []  # the mixers and dense MLPs, whose products take panel copies (moe_decode has its own)
     for layer in model.layers:
@@ -68,8 +77,6 @@ def build_plan(k, model, rows: int):
                               a.dt_bias, a.norm.weight, a.out_proj.weight, a.num_k_heads)
         else:
             a = layer.self_attn
-            if a.num_heads // a.num_kv_heads not in kernels.ATTENTION_GROUPS:
-                return None
             projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
             biases = [_NO_TENSOR if p.bias is None else p.bias for p in projections]
             plan.add_attention(layer.input_layernorm.weight, *(p.weight for p in projections), biases,
@@ -78,7 +85,7 @@ def build_plan(k, model, rows: int):
         norm, mlp = layer.post_attention_layernorm.weight, layer.mlp
         if isinstance(mlp, SparseMoeBlock):
             if not mlp.experts.grouped:
-                return None
+                return _step_aside("the experts run on their reference path (grouped=False)")
             shared = mlp.shared_expert
             plan.add_moe(norm, mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.top_k,
                          shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight,

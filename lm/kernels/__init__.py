@@ -35,7 +35,6 @@ import torch.nn.functional as F
 
 MAX_ROWS = 8  # decode batches; larger products go to MKL's GEMM, which is efficient there
 MIN_WEIGHT_ELEMENTS = 1 << 16  # smaller weights stay in cache: no bandwidth to win, only call overhead
-ATTENTION_GROUPS = (1, 2, 4, 8, 16)  # query heads per KV head that the decode attention kernel takes
 MOE_PIECES = 1  # moe_decode's parallel pieces per expert gate/up and per down (1 measured best at 2 threads)
 # Decode products of PANEL_ROWS-8 rows stream panel copies of their float32 weights (9: never).
 # None: 5 where the kernels were built for AVX-512, never with 8-float vectors (AVX2): there the
@@ -205,7 +204,7 @@ def decode_attention(q, k, v, mask, scale: float) -> torch.Tensor | None:
     [B, 1, 1, L] (True = attend) or None -> [B, H, 1, D], the cache read once; None when n/a."""
     b, h, _, d = q.shape
     rows_contiguous = k.stride(-1) == v.stride(-1) == 1 and k.stride(2) == v.stride(2) == d
-    if not rows_contiguous or h // k.shape[1] not in ATTENTION_GROUPS:
+    if not rows_contiguous or h % k.shape[1]:
         return None
     if (kernel := _fusable(q)) is None:
         return None
@@ -252,6 +251,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -
     except RuntimeError:
         rows = x.reshape(-1, x.shape[-1])
     return k.rms_norm(rows, weight.contiguous(), eps, offset).view(x.shape)
+
+
+def set_int8_activations(on: bool) -> None:
+    """Q8_0 / Q4_0 decode products with the activations rounded to Q8_0 blocks and integer dot
+    products (on, the default: ~2x faster on AVX2; kernels/int8_dot.h states the error), or with
+    float32 activations (off: equal to dequantize-then-matmul up to float32 rounding)."""
+    if (k := _kernels()) is not None:
+        k.set_int8_activations(on)
 
 
 def moe_decode(x, router, gate_up, down, top_k, shared_gate, shared_up, shared_down, shared_expert_gate):

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "formats.h"
+#include "int8_dot.h"
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -14,6 +15,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("K"));
   // the accumulator width the format kernels were built with (16 floats with AVX-512, 8 with AVX2)
   m.attr("VECTOR_FLOATS") = qwen35::W;
+  m.attr("INT8_DOT") = qwen35::INT8_DOT;  // built with the int8-activation dot products (AVX2)
+  m.def("set_int8_activations", [](bool on) { qwen35::int8_activations() = on; },
+        "Q8_0 / Q4_0 decode products with activations quantized to Q8_0 (on) or in float32 (off)");
   m.def("grouped_linear", &grouped_linear, "per-expert y = x W[e]^T over rows grouped by expert");
   m.def("gated_delta_step", &gated_delta_step, "in-place gated delta rule decode step (float32, CPU)");
   m.def("gdn_decode", &gdn_decode, "a Gated DeltaNet decode step from projections to out_proj input");

@@ -1,6 +1,7 @@
 // Attention of one new token per row over the KV cache (decode), GQA: the rep = H / KV query heads
 // of a KV head are scored against each key in one pass over K, then the values are summed in one
-// pass over V, so the cache is read once per step at streaming speed.
+// pass over V, so the cache is read once per step at streaming speed. Any head ratio that
+// transformers accepts (e.g. 6 for Qwen3.5-27B's 24 query / 4 KV heads).
 
 #include "vec.h"
 
@@ -73,6 +74,26 @@ void attend(const float* q, const float* K, const float* Vv, int64_t L, int64_t 
   }
 }
 
+// `rep` query heads (any count) of one KV head: the compiled counts directly, others in pieces of
+// at most 8 heads (each piece reads the KV head once more).
+void attend_heads(int64_t rep, const float* q, const float* K, const float* Vv, int64_t L, int64_t D,
+                  const bool* keep, float scale, float* out, float* scores) {
+  switch (rep) {
+    case 1: return attend<1>(q, K, Vv, L, D, keep, scale, out, scores);
+    case 2: return attend<2>(q, K, Vv, L, D, keep, scale, out, scores);
+    case 3: return attend<3>(q, K, Vv, L, D, keep, scale, out, scores);
+    case 4: return attend<4>(q, K, Vv, L, D, keep, scale, out, scores);
+    case 5: return attend<5>(q, K, Vv, L, D, keep, scale, out, scores);
+    case 6: return attend<6>(q, K, Vv, L, D, keep, scale, out, scores);
+    case 7: return attend<7>(q, K, Vv, L, D, keep, scale, out, scores);
+    case 8: return attend<8>(q, K, Vv, L, D, keep, scale, out, scores);
+    case 16: return attend<16>(q, K, Vv, L, D, keep, scale, out, scores);
+    default:
+      for (int64_t r0 = 0; r0 < rep; r0 += 8)
+        attend_heads(std::min<int64_t>(8, rep - r0), q + r0 * D, K, Vv, L, D, keep, scale, out + r0 * D, scores);
+  }
+}
+
 }  // namespace
 
 // q [B, H, D]; k, v [B, KV, L, D] (views into the cache: rows contiguous, any batch/head strides);
@@ -85,8 +106,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor
                     t->size(2) == L && t->size(3) == D && t->stride(3) == 1 && t->stride(2) == D,
                 "k, v must be float32 [B, KV, L, D] with contiguous rows");
   const int64_t rep = H / KV;
-  TORCH_CHECK(H % KV == 0 && (rep == 1 || rep == 2 || rep == 4 || rep == 8 || rep == 16) && L > 0,
-              "query heads per KV head must be 1, 2, 4, 8 or 16");
+  TORCH_CHECK(KV > 0 && H % KV == 0 && L > 0, "query heads must be a multiple of the KV heads");
   const bool masked = keep.numel() > 0;
   if (masked) TORCH_CHECK(keep.scalar_type() == at::kBool && keep.is_contiguous() && keep.numel() == B * L, "bad mask");
   auto out = at::empty({B, H, D}, q.options());
@@ -101,13 +121,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor
       const float* vh = vp + b * v.stride(0) + h * v.stride(1);
       const bool* mh = mp ? mp + b * L : nullptr;
       float* oh = op + (b * H + h * rep) * D;
-      switch (rep) {
-        case 1: attend<1>(qh, kh, vh, L, D, mh, float(scale), oh, scores.data()); break;
-        case 2: attend<2>(qh, kh, vh, L, D, mh, float(scale), oh, scores.data()); break;
-        case 4: attend<4>(qh, kh, vh, L, D, mh, float(scale), oh, scores.data()); break;
-        case 8: attend<8>(qh, kh, vh, L, D, mh, float(scale), oh, scores.data()); break;
-        default: attend<16>(qh, kh, vh, L, D, mh, float(scale), oh, scores.data()); break;
-      }
+      attend_heads(rep, qh, kh, vh, L, D, mh, float(scale), oh, scores.data());
     }
   });
   return out;

@@ -19,7 +19,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__F16C__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -40,6 +40,7 @@ typedef uint32_t wvec_u32 __attribute__((vector_size(W * 4)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
 constexpr int QK = 32;       // weights per block of the block formats
+constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead the format kernels prefetch a weight row
 constexpr int NB = QK / W;   // vectors per block
 
 enum Fmt : int { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3 };
@@ -60,6 +61,40 @@ inline wvec wload(const float* p) {
   return v;
 }
 
+// W small integers / bf16 values -> W floats. GCC turns __builtin_convertvector from 8-bit
+// lanes into scalar conversions, so x86 gets the widening instructions spelled out.
+#if defined(__AVX512F__)
+inline wvec from_m(__m512 v) { wvec r; std::memcpy(&r, &v, sizeof(r)); return r; }
+inline wvec cvt_i8(__m128i q) { return from_m(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))); }  // 16 lanes
+inline wvec cvt_i8(const uint8_t* p) { return cvt_i8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline wvec cvt_bf16(const uint8_t* p) {
+  const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return from_m(_mm512_castsi512_ps(_mm512_slli_epi32(u, 16)));
+}
+#elif defined(__AVX2__)
+inline wvec from_m(__m256 v) { wvec r; std::memcpy(&r, &v, sizeof(r)); return r; }
+inline wvec cvt_i8(__m128i q) { return from_m(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))); }  // low 8 lanes
+inline wvec cvt_i8(const uint8_t* p) { return cvt_i8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline wvec cvt_bf16(const uint8_t* p) {
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return from_m(_mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
+}
+#else
+inline wvec cvt_i8(const uint8_t* p) {
+  wvec_i8 q;
+  std::memcpy(&q, p, sizeof(q));
+  return __builtin_convertvector(q, wvec);
+}
+inline wvec cvt_bf16(const uint8_t* p) {
+  wvec_u16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const wvec_u32 u = __builtin_convertvector(h, wvec_u32) << 16;
+  wvec r;
+  std::memcpy(&r, &u, sizeof(r));
+  return r;
+}
+#endif
+
 struct TraitsF32 {
   static constexpr int64_t block_bytes = QK * 4;
   static inline void load(const uint8_t* row, int64_t b, wvec* w) {
@@ -73,12 +108,7 @@ struct TraitsBF16 {
   static constexpr int64_t block_bytes = QK * 2;
   static inline void load(const uint8_t* row, int64_t b, wvec* w) {
     const uint8_t* p = row + b * block_bytes;
-    for (int j = 0; j < NB; ++j) {
-      wvec_u16 h;
-      std::memcpy(&h, p + j * W * 2, sizeof(h));
-      const wvec_u32 u = __builtin_convertvector(h, wvec_u32) << 16;
-      std::memcpy(&w[j], &u, sizeof(wvec));
-    }
+    for (int j = 0; j < NB; ++j) w[j] = cvt_bf16(p + j * W * 2);
   }
   static inline float at(const uint8_t* row, int64_t k) {
     uint16_t h;
@@ -95,11 +125,7 @@ struct TraitsQ8_0 {
   static inline void load(const uint8_t* row, int64_t b, wvec* w) {
     const uint8_t* p = row + b * block_bytes;
     const float d = half_to_float(p);
-    for (int j = 0; j < NB; ++j) {
-      wvec_i8 q;
-      std::memcpy(&q, p + 2 + j * W, sizeof(q));
-      w[j] = __builtin_convertvector(q, wvec) * d;
-    }
+    for (int j = 0; j < NB; ++j) w[j] = cvt_i8(p + 2 + j * W) * d;
   }
 };
 
@@ -108,21 +134,26 @@ struct TraitsQ4_0 {
   static inline void load(const uint8_t* row, int64_t b, wvec* w) {
     const uint8_t* p = row + b * block_bytes;
     const float d = half_to_float(p);
+#if defined(__AVX2__)
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2)), m = _mm_set1_epi8(15);
+    const __m128i eight = _mm_set1_epi8(8);
+    const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, m), eight);  // weights 0-15 of the block, q - 8
+    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m), eight);  // weights 16-31
+#if defined(__AVX512F__)
+    w[0] = cvt_i8(lo) * d;
+    w[1] = cvt_i8(hi) * d;
+#else
+    w[0] = cvt_i8(lo) * d;
+    w[1] = cvt_i8(_mm_srli_si128(lo, 8)) * d;
+    w[2] = cvt_i8(hi) * d;
+    w[3] = cvt_i8(_mm_srli_si128(hi, 8)) * d;
+#endif
+#else
     u8x16 q;
     std::memcpy(&q, p + 2, 16);
-    const u8x16 lo = q & 15, hi = q >> 4;  // weights 0-15 and 16-31 of the block
-#if defined(__AVX512F__)
-    w[0] = (__builtin_convertvector(lo, wvec) - 8.f) * d;
-    w[1] = (__builtin_convertvector(hi, wvec) - 8.f) * d;
-#else
-    const wvec_u8 l0 = __builtin_shufflevector(lo, lo, 0, 1, 2, 3, 4, 5, 6, 7);
-    const wvec_u8 l1 = __builtin_shufflevector(lo, lo, 8, 9, 10, 11, 12, 13, 14, 15);
-    const wvec_u8 h0 = __builtin_shufflevector(hi, hi, 0, 1, 2, 3, 4, 5, 6, 7);
-    const wvec_u8 h1 = __builtin_shufflevector(hi, hi, 8, 9, 10, 11, 12, 13, 14, 15);
-    w[0] = (__builtin_convertvector(l0, wvec) - 8.f) * d;
-    w[1] = (__builtin_convertvector(l1, wvec) - 8.f) * d;
-    w[2] = (__builtin_convertvector(h0, wvec) - 8.f) * d;
-    w[3] = (__builtin_convertvector(h1, wvec) - 8.f) * d;
+    uint8_t v[QK];
+    for (int j = 0; j < 16; ++j) v[j] = uint8_t((q[j] & 15) - 8), v[j + 16] = uint8_t((q[j] >> 4) - 8);
+    for (int j = 0; j < NB; ++j) w[j] = cvt_i8(v + j * W) * d;
 #endif
   }
 };

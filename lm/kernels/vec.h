@@ -123,8 +123,6 @@ inline void block(const float* x, int64_t M, int64_t ldx, const float* W, int64_
 // The same products for a weight of any format (formats.h): blocks of 32 weights converted to
 // float32 in registers, then multiplied with x in float32. Up to 8 accumulators in flight (one
 // register each, also on AVX2), adding into y when `accumulate`; k0 is a multiple of 32.
-constexpr int64_t PREFETCH_BYTES = 4096;
-
 template <int R, class T>
 inline void dot_row_fmt(const float* x, int64_t ldx, const uint8_t* w, int64_t k0, int64_t k1, float* y, int64_t ldy,
                         bool accumulate) {
@@ -177,11 +175,28 @@ inline void block_fmt(const float* x, int64_t M, int64_t ldx, const Rows& W, int
   }
 }
 
-// `block` for a weight of any format: the one entry point of the product kernels.
+}  // namespace qwen35
+
+#include "int8_dot.h"
+
+namespace qwen35 {
+
+// `block` for a weight of any format: the one entry point of the product kernels. Q8_0 / Q4_0
+// weights take the int8-activation dot products (int8_dot.h) when they are on.
 inline void block(const float* x, int64_t M, int64_t ldx, const Rows& W, int64_t K, int64_t n0, int64_t n1, float* y,
                   int64_t ldy) {
+  if (int8_path(W)) {
+    thread_local QuantizedX xq;
+    quantize_x(x, M, ldx, K, xq);
+    block_i8(xq, M, W, n0, n1, y, ldy);
+    return;
+  }
   switch (W.fmt) {
+#ifdef QWEN35_F32_GENERIC
+    case F32: block_fmt<TraitsF32>(x, M, ldx, W, K, n0, n1, y, ldy); break;
+#else
     case F32: block(x, M, ldx, W.f32(), K, n0, n1, y, ldy); break;
+#endif
     case BF16: block_fmt<TraitsBF16>(x, M, ldx, W, K, n0, n1, y, ldy); break;
     case Q8_0: block_fmt<TraitsQ8_0>(x, M, ldx, W, K, n0, n1, y, ldy); break;
     default: block_fmt<TraitsQ4_0>(x, M, ldx, W, K, n0, n1, y, ldy); break;
@@ -271,9 +286,11 @@ inline int64_t task_rows(const Product& p) {
 inline void run_products(const std::vector<Product>& products) {
   std::vector<int64_t> first{0};  // first task of each product
   std::vector<std::vector<float>> xt(products.size());  // x transposed [K, 8] for the panel products
+  std::vector<QuantizedX> xq(products.size());  // x in Q8_0 blocks for the int8-activation products
   for (size_t i = 0; i < products.size(); ++i) {
     const Product& p = products[i];
     first.push_back(first.back() + (p.N + task_rows(p) - 1) / task_rows(p));
+    if (int8_path(p.W)) quantize_x(p.x, p.M, p.ldx, p.K, xq[i]);
     if (!p.by_panels()) continue;
     xt[i].assign(p.K * 8, 0.f);
     for (int64_t m = 0; m < p.M; ++m)
@@ -286,6 +303,8 @@ inline void run_products(const std::vector<Product>& products) {
       const int64_t step = task_rows(p), n0 = (t - first[i]) * step, n1 = std::min(p.N, n0 + step);
       if (p.by_panels())
         panel_block(xt[i].data(), p.M, p.panels, p.K, p.N, n0 / PANEL, (n1 + PANEL - 1) / PANEL, p.y, p.N);
+      else if (int8_path(p.W))
+        block_i8(xq[i], p.M, p.W, n0, n1, p.y, p.N);
       else
         block(p.x, p.M, p.ldx, p.W, p.K, n0, n1, p.y, p.N);
     }

@@ -59,18 +59,37 @@ def test_fast_decode_steps_aside_when_it_does_not_apply(checkpoints, monkeypatch
     assert lm.model.decode_layers(model.lm.model, x[:2].double(), cache, None, None) is None
 
 
-def test_fast_decode_steps_aside_for_a_head_ratio_the_attention_kernel_does_not_take(monkeypatch):
+@pytest.mark.parametrize("heads,kv", [(6, 2), (12, 2)])  # 3 and 6 query heads per KV head (Qwen3.5-27B: 24 / 4)
+def test_fast_decode_takes_any_head_ratio(monkeypatch, heads, kv):
     from lm.config import TextConfig
     from lm.model import CausalLM
     from tests import tiny
 
-    config = TextConfig.from_hf(tiny.text_config(True, num_attention_heads=6))  # 3 query heads per KV head
-    assert 3 not in lm.kernels.ATTENTION_GROUPS
-    model = CausalLM(config).eval()
+    config = TextConfig.from_hf(tiny.text_config(True, num_attention_heads=heads, num_key_value_heads=kv))
+    lm_model = CausalLM(config).eval()
+    g = torch.Generator().manual_seed(heads)
+    with torch.no_grad():
+        for p in lm_model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    class Wrapped:  # _decode_logits takes a loaded model (model.lm)
+        lm = lm_model
+
+    ids = torch.randint(3, 500, (2, 9), generator=g)
+    used = []
+    fast = lm.model.decode_layers
+
+    def counting(*args):
+        out = fast(*args)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(lm.model, "decode_layers", counting)
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
-    cache = model.make_cache(1, 4)
-    x = torch.randn(1, 1, config.hidden_size)
-    assert lm.model.decode_layers(model.model, x, cache, None, None) is None
+    ours = _decode_logits(Wrapped, ids, steps=4)
+    assert used == [True] * 4
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "0")
+    assert rel_err(ours, _decode_logits(Wrapped, ids, steps=4)) < 1e-5
 
 
 def test_fast_decode_after_a_left_padded_prompt_equals_reference(checkpoints, monkeypatch):

@@ -1,0 +1,177 @@
+"""Weight formats on CPU: speed and accuracy of fp32, bf16, int8 (Q8_0) and int4 (Q4_0) storage.
+
+    python -m bench.formats [--checkpoint DIR] [--formats fp32,bf16,int8,int4] [--batches 1,4,8]
+                            [--gguf-dir DIR] [--quick]
+
+On one bf16 checkpoint (default: a random one with bench/lm.py's proportions; `--checkpoint` takes
+any, e.g. the one `../shared/peers/make_model.py` writes for llama.cpp), for each format: decode
+tok/s at each batch (64 tokens after an 8-token prompt, best of 2, as llama-bench's tg64), the
+share of its own bandwidth limit (the bytes of that format one step reads / the read bandwidth
+probed between every two steps), prefill tok/s of a 512-token prompt (llama-bench's pp512: last
+token's logits only), and the error against fp32 on the same weights: max relative error of the
+logits of a 64-token prompt, and greedy agreement over 64 new tokens. With `--gguf-dir` (the
+`PREFIX-q8_0.gguf` / `PREFIX-q4_0.gguf` files llamacpp.sh convert writes), the same error figures
+for llama.cpp's quantized tensors, dequantized with the `gguf` package into the fp32 model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import mm
+from bench.limits import ReadBandwidth, best_time
+from bench.lm import CONFIG, ExpertCounter, median, probed_steps, weight_bytes_per_step
+from lm import SamplingParams, stream_generate
+
+
+def make_checkpoint(path: Path, vocab: int) -> Path:
+    """bench/lm.py's model shape in bf16 with weights of a real-like scale (as make_model.py)."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**dict(CONFIG, vocab_size=vocab))
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5MoeForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.copy_(torch.randn_like(p, dtype=torch.float32).mul_(0.6 / p.shape[-1] ** 0.5).to(p.dtype))
+    model.save_pretrained(path)
+    return path
+
+
+def decode(model, batch: int, new: int, read: ReadBandwidth) -> tuple[float, float, float]:
+    """(tok/s best of 2 runs, median share of the bandwidth limit per probed step, GB per step)."""
+    ids = torch.randint(0, model.config.text.vocab_size, (batch, 8), generator=torch.Generator().manual_seed(batch))
+    counter = ExpertCounter(model)
+    greedy(model, ids, new)  # warm-up; the counter sees the routing
+    counter.close()
+    touched = weight_bytes_per_step(model, counter.mean() if counter.counts else 0)
+    best = float("inf")
+    for _ in range(2):
+        stamps = [time.perf_counter() for e in stream_generate(model.lm, ids, SamplingParams(max_new_tokens=new))
+                  if e.row == 0]
+        best = min(best, (stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    steps = list(probed_steps(model, ids, min(new, 24), read))
+    share = median([touched / step / max(a, b) for step, a, b in steps])
+    return batch / best, share, touched / 1e9
+
+
+def greedy(model, ids, new: int) -> list[list[int]]:
+    out = [[] for _ in range(ids.shape[0])]
+    for e in stream_generate(model.lm, ids, SamplingParams(max_new_tokens=new)):
+        out[e.row].append(e.token)
+    return out
+
+
+def prefill(model, tokens: int) -> float:
+    ids = torch.randint(0, model.config.text.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return tokens / best_time(lambda: model.lm(ids, last_only=True), repeats=2, warmup=1)
+
+
+def accuracy(model, reference: dict) -> tuple[float, float]:
+    """(max rel err of the prompt logits, share of the 64 greedy tokens equal to the reference's)."""
+    with torch.no_grad():
+        logits = model.lm(reference["ids"])
+    err = float((logits - reference["logits"]).abs().max() / reference["logits"].abs().max())
+    tokens = greedy(model, reference["ids"], len(reference["greedy"]))[0]
+    agree = next((i for i, (a, b) in enumerate(zip(tokens, reference["greedy"])) if a != b), len(tokens))
+    return err, agree / len(tokens)
+
+
+def gguf_into(model, gguf_file: Path) -> None:
+    """Replace the fp32 model's LM weights by llama.cpp's quantized tensors of the same names,
+    dequantized with the gguf package (its reference for the error of those tensors)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    names = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
+    per_layer = {"attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+                 "ssm_out": "linear_attn.out_proj", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                 "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                 "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+    params = dict(model.lm.named_parameters())
+    done = 0
+    for t in GGUFReader(str(gguf_file)).tensors:
+        w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+        parts = t.name.split(".")
+        target = names.get(t.name)
+        if parts[0] == "blk" and len(parts) == 4:
+            layer, kind = parts[1], parts[2]
+            if kind in per_layer:
+                target = f"model.layers.{layer}.{per_layer[kind]}.weight"
+            elif kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+                fused = params[f"model.layers.{layer}.mlp.experts." + ("down_proj" if "down" in kind else "gate_up_proj")]
+                inter = fused.shape[1] // 2
+                dst = fused if "down" in kind else (fused[:, :inter] if "gate" in kind else fused[:, inter:])
+                with torch.no_grad():
+                    dst.copy_(w.view(dst.shape))
+                done += 1
+                continue
+        if target in params and params[target].shape == w.shape:
+            with torch.no_grad():
+                params[target].copy_(w)
+            done += 1
+    print(f"    {gguf_file.name}: {done} tensors dequantized into the fp32 model")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", type=Path, default=None, help="a bf16 checkpoint (default: make one)")
+    parser.add_argument("--formats", default="fp32,bf16,int8,int4")
+    parser.add_argument("--batches", default="1,4,8")
+    parser.add_argument("--gguf-dir", type=Path, default=None, help="llama.cpp's GGUF files of the same checkpoint")
+    parser.add_argument("--gguf-prefix", default="bench")
+    parser.add_argument("--vocab", type=int, default=248320, help="vocabulary of the made checkpoint")
+    parser.add_argument("--quick", action="store_true", help="16 new tokens, no accuracy run")
+    args = parser.parse_args()
+    read = ReadBandwidth()
+    new = 16 if args.quick else 64
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.checkpoint or make_checkpoint(Path(tmp) / "bench-bf16", args.vocab)
+        reference, rows = None, []
+        for fmt in args.formats.split(","):
+            start = time.perf_counter()
+            model = mm.load_model(path, weights=fmt)
+            load_s = time.perf_counter() - start
+            if reference is None and not args.quick:  # the first format (fp32 by default) is the reference
+                ids = torch.randint(0, model.config.text.vocab_size, (1, 64), generator=torch.Generator().manual_seed(2))
+                with torch.no_grad():
+                    reference = dict(ids=ids, logits=model.lm(ids), greedy=greedy(model, ids, new)[0], name=fmt)
+            err = accuracy(model, reference) if reference and reference["name"] != fmt else (0.0, 1.0)
+            dec = {b: decode(model, b, new, read) for b in map(int, args.batches.split(","))}
+            pre = prefill(model, 512)
+            rows.append((fmt, dec, pre, err, load_s))
+            print(f"  {fmt}: loaded in {load_s:.1f} s; prefill 512 {pre:.1f} tok/s; "
+                  + "; ".join(f"batch {b} {t:.1f} tok/s ({s * 100:.0f}% of the limit, {gb:.2f} GB/step)"
+                              for b, (t, s, gb) in dec.items())
+                  + f"; vs {reference['name'] if reference else '-'}: logits rel err {err[0]:.2e}, "
+                    f"greedy agreement {err[1] * 100:.0f}%", flush=True)
+            if fmt == "fp32" and args.gguf_dir and reference:
+                for quant in ("q8_0", "q4_0"):
+                    file = args.gguf_dir / f"{args.gguf_prefix}-{quant}.gguf"
+                    if file.exists():
+                        gguf_into(model, file)
+                        e = accuracy(model, reference)
+                        print(f"  llama.cpp {quant} tensors: logits rel err {e[0]:.2e}, greedy agreement {e[1] * 100:.0f}%")
+                        model = mm.load_model(path, weights="fp32")
+            del model
+        print(f"\nread bandwidth now {read() / 1e9:.1f} GB/s; {torch.get_num_threads()} threads")
+        base = {b: t for b, (t, _, _) in rows[0][1].items()}
+        print(f"{'format':8s}" + "".join(f"{'B' + str(b) + ' tok/s':>12s}{'x ' + rows[0][0]:>9s}{'limit':>7s}" for b in base)
+              + f"{'pp512':>8s}{'rel err':>10s}{'greedy':>8s}")
+        for fmt, dec, pre, err, _ in rows:
+            print(f"{fmt:8s}" + "".join(f"{t:12.1f}{t / base[b]:8.2f}x{s * 100:6.0f}%" for b, (t, s, _) in dec.items())
+                  + f"{pre:8.1f}{err[0]:10.2e}{err[1] * 100:7.0f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+// Decode products of Q8_0 / Q4_0 weights with the activations quantized to int8 per block of 32
+// (GGUF Q8_0, as llama.cpp's vec_dot_q8_0_q8_0 / q4_0_q8_0 take them): the 32 products of a block
+// come from one `vpmaddubsw` + `vpmaddwd` instead of four float conversions, scalings and FMAs, which
+// made the float path compute-bound at ~20 G weights/s on 2 AVX2 cores. y = sum_b dw_b dx_b (wq . xq)
+// in float32. The error this adds is that of rounding x to Q8_0 (at most dx/2 = max|x_block| / 254
+// per element): tests/lm/test_formats.py checks the kernel against dequantize(W) @ dequantize(Q8_0(x))
+// and states the bound against float32 x. Switch: kernels.set_int8_activations (on by default);
+// off, or without AVX2, the products use the float32-activation path of vec.h.
+#pragma once
+
+#include <cmath>
+#include <vector>
+
+#include "formats.h"
+
+namespace qwen35 {
+
+inline bool& int8_activations() {
+  static bool on = true;
+  return on;
+}
+
+// x rows [M, K] (K % 32 == 0) in Q8_0 blocks: int8 quants and one float scale per block.
+struct QuantizedX {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  int64_t K = 0;
+};
+
+inline void quantize_x(const float* x, int64_t M, int64_t ldx, int64_t K, QuantizedX& out) {
+  out.K = K;
+  out.q.resize(M * K);
+  out.d.resize(M * K / QK);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / QK; ++b) {
+      const float* xb = x + m * ldx + b * QK;
+      float amax = 0.f;
+      for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float d = amax / 127.f, id = d == 0.f ? 0.f : 1.f / d;
+      int8_t* q = out.q.data() + m * K + b * QK;
+      for (int j = 0; j < QK; ++j) q[j] = int8_t(std::nearbyint(xb[j] * id));
+      out.d[m * (K / QK) + b] = d;
+    }
+}
+
+#if defined(__AVX2__)
+constexpr bool INT8_DOT = true;
+
+inline __m256i weights_i8(Fmt f, const uint8_t* p) {  // the 32 signed weights of the block at p
+  if (f == Q8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);  // low nibbles: weights 0-15; high: 16-31
+  return _mm256_sub_epi8(_mm256_and_si256(both, _mm256_set1_epi8(15)), _mm256_set1_epi8(8));
+}
+
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+// y[r * ldy] = row . x[r] for r < R over all K, x given quantized.
+template <int R, Fmt F>
+inline void dot_row_i8(const QuantizedX& x, const uint8_t* w, float* y, int64_t ldy) {
+  constexpr int64_t bytes = F == Q8_0 ? TraitsQ8_0::block_bytes : TraitsQ4_0::block_bytes;
+  constexpr int C = R == 1 ? 2 : 1;  // accumulator chains per row
+  const int64_t K = x.K, nb = K / QK;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = w + b * bytes;
+    __builtin_prefetch(p + PREFETCH_BYTES, 0, 3);
+    const float dw = half_to_float(p);
+    const __m256i wq = weights_i8(F, p), wabs = _mm256_sign_epi8(wq, wq);
+    for (int r = 0; r < R; ++r) {
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + r * K + b * QK));
+      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xq, wq)), ones);
+      __m256& a = acc[r][b % C];
+      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * x.d[r * nb + b]), a);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256 t = acc[r][0];
+    for (int c = 1; c < C; ++c) t = _mm256_add_ps(t, acc[r][c]);
+    y[r * ldy] = hsum8(t);
+  }
+}
+
+template <Fmt F>
+inline void block_i8_rows(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y,
+                          int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = W.row(n);
+    switch (M) {
+      case 1: dot_row_i8<1, F>(x, w, y + n, ldy); break;
+      case 2: dot_row_i8<2, F>(x, w, y + n, ldy); break;
+      case 3: dot_row_i8<3, F>(x, w, y + n, ldy); break;
+      case 4: dot_row_i8<4, F>(x, w, y + n, ldy); break;
+      case 5: dot_row_i8<5, F>(x, w, y + n, ldy); break;
+      case 6: dot_row_i8<6, F>(x, w, y + n, ldy); break;
+      case 7: dot_row_i8<7, F>(x, w, y + n, ldy); break;
+      default: dot_row_i8<8, F>(x, w, y + n, ldy); break;
+    }
+  }
+}
+
+// Rows [0, M) of quantized x times weight rows [n0, n1) of a Q8_0 / Q4_0 weight -> y[:, n0:n1].
+inline void block_i8(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  if (W.fmt == Q8_0)
+    block_i8_rows<Q8_0>(x, M, W, n0, n1, y, ldy);
+  else
+    block_i8_rows<Q4_0>(x, M, W, n0, n1, y, ldy);
+}
+#else
+constexpr bool INT8_DOT = false;
+inline void block_i8(const QuantizedX&, int64_t, const Rows&, int64_t, int64_t, float*, int64_t) {}
+#endif
+
+// Whether products with W take the int8-activation path.
+inline bool int8_path(const Rows& W) { return INT8_DOT && int8_activations() && (W.fmt == Q8_0 || W.fmt == Q4_0); }
+
+}  // namespace qwen35
