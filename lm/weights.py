@@ -137,11 +137,17 @@ def use_formats(lm: nn.Module, formats: dict[str, Format]) -> None:
     model is allocated (on the meta device): a weight [..., N, K] becomes [..., N, row]. With tied
     embeddings, an LM head in another format than the embedding table gets a table of its own."""
     params = dict(lm.named_parameters(remove_duplicate=False))
+    head, table = "lm_head.weight", "model.embed_tokens.weight"
+    one_table = heads_tied(lm) and formats.get(head) == formats.get(table)
     for name, fmt in formats.items():
+        if one_table and name == head:
+            continue  # the embedding table's new storage, tied again below
         module_name, attr = name.rsplit(".", 1)
         old = params[name]
         storage = torch.empty(fmt.storage_shape(tuple(old.shape)), dtype=fmt.dtype, device=old.device)
         setattr(lm.get_submodule(module_name), attr, nn.Parameter(storage, requires_grad=False))
+    if one_table:
+        lm.tie_weights()
 
 
 def heads_tied(lm: nn.Module) -> bool:

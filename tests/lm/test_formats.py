@@ -1,0 +1,278 @@
+"""Weight storage formats (lm/formats): the quantizers against gguf's reference, the kernels against
+dequantize-then-matmul, and whole models against float32 on the same weights."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mm
+from lm import kernels
+from lm.formats import BF16, FP32, INT4, INT8, format_of, policy, to_float
+from lm.formats.blocks import dequantize_q8_0, quantize_q8_0
+from tests.conftest import rel_err
+
+
+@pytest.fixture
+def kernels_on(monkeypatch):
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    monkeypatch.setattr(kernels, "MIN_WEIGHT_ELEMENTS", 0)
+    yield
+    kernels.set_int8_activations(True)
+
+
+def _weights(n=48, k=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[0, :32] = 0  # an all-zero block: d = 0
+    w[1, 40] = -w[1, 32:64].abs().max() * 1.5  # the block's largest magnitude is negative
+    w[2, 64:96] = 0.25  # ties everywhere
+    return w
+
+
+@pytest.mark.parametrize("fmt,qtype", [(INT8, "Q8_0"), (INT4, "Q4_0")])
+def test_quantizer_is_bit_exact_with_gguf(fmt, qtype):
+    from gguf import GGMLQuantizationType, quants
+
+    w = _weights()
+    ours = fmt.quantize(w)
+    ref = quants.quantize(w.numpy(), getattr(GGMLQuantizationType, qtype))
+    assert ours.dtype == torch.uint8 and np.array_equal(ours.numpy(), ref)
+    deq = quants.dequantize(ref, getattr(GGMLQuantizationType, qtype))
+    assert np.array_equal(fmt.dequantize(ours, w.shape[1]).numpy(), deq)
+    assert format_of(ours, w.shape[1]) is fmt
+    assert abs(fmt.bits_per_weight - (8.5 if fmt is INT8 else 4.5)) < 1e-9
+
+
+def test_format_of_refuses_unknown_storage():
+    with pytest.raises(ValueError, match="no known format"):
+        format_of(torch.zeros(4, 30, dtype=torch.uint8), 64)
+    with pytest.raises(ValueError, match="cannot take"):
+        format_of(torch.zeros(4, 30), 64)
+
+
+@pytest.mark.parametrize("fmt", [BF16, INT8, INT4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+def test_products_with_float_activations_equal_dequantized_matmul(kernels_on, fmt, rows):
+    kernels.set_int8_activations(False)
+    w, g = _weights(), torch.Generator().manual_seed(rows)
+    q = fmt.quantize(w)
+    x, b = torch.randn(rows, 256, generator=g), torch.randn(48, generator=g)
+    ref = F.linear(x, fmt.dequantize(q, 256), b)
+    assert rel_err(kernels.linear(x, q, b), ref) < 1e-5
+    assert rel_err(kernels.linear(x[None], q, b)[0], ref) < 1e-5  # [B, T, K] inputs
+    assert torch.equal(to_float(q, 256), fmt.dequantize(q, 256))  # the C++ conversion, bit for bit
+
+
+@pytest.mark.parametrize("fmt", [INT8, INT4])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_products_with_int8_activations(kernels_on, fmt, rows):
+    """Activations rounded to Q8_0 blocks (float32 scales): the kernel equals the float64 product
+    with those activations; against float32 x, the error is at most sum_k |w_k| dx_k / 2."""
+    if not kernels._kernels().INT8_DOT:
+        pytest.skip("the int8 dot products are built for AVX2 only")
+    kernels.set_int8_activations(True)
+    w, g = _weights(seed=1), torch.Generator().manual_seed(rows)
+    q, wf = fmt.quantize(w), fmt.dequantize(fmt.quantize(w), 256).double()
+    x = torch.randn(rows, 256, generator=g)
+    blocks = x.view(rows, -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    xq = (torch.round(blocks / d) * d).view(rows, 256).double()
+    y = kernels.linear(x, q).double()
+    assert rel_err(y, xq @ wf.T) < 1e-5
+    bound = (wf.abs() @ (d / 2).expand(-1, -1, 32).reshape(rows, 256).double().T).T  # [rows, N]
+    assert ((y - x.double() @ wf.T).abs() <= bound * 1.001 + 1e-6).all()
+    assert rel_err(y, x.double() @ wf.T) > 1e-6  # the activations were really rounded
+
+
+@pytest.mark.parametrize("fmt", [BF16, INT8, INT4])
+def test_grouped_and_moe_decode_kernels_with_compact_experts(kernels_on, fmt):
+    g = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(6, 64, 96, generator=g) * 0.1, torch.randn(6, 96, 32, generator=g) * 0.1
+    gq, dq = fmt.quantize(gate_up), fmt.quantize(down)
+    experts, sizes = [0, 3, 5], [2, 1, 4]
+    x = torch.randn(7, 96, generator=g)
+    kernels.set_int8_activations(False)
+    gf = fmt.dequantize(gq, 96)
+    ref = torch.cat([x[0:2] @ gf[0].T, x[2:3] @ gf[3].T, x[3:7] @ gf[5].T])
+    assert rel_err(kernels.grouped_linear(x, gq, experts, sizes), ref) < 1e-5
+
+    from lm.config import TextConfig
+    from lm.moe import SparseMoeBlock
+    from tests import tiny
+
+    cfg = TextConfig.from_hf(tiny.text_config(True, hidden_size=96, num_experts=6, num_experts_per_tok=2,
+                                              moe_intermediate_size=32, shared_expert_intermediate_size=64))
+    block = SparseMoeBlock(cfg).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        block.experts.gate_up_proj.copy_(gate_up[:, :64])
+    reference = {n: p.clone() for n, p in block.named_parameters()}
+    for name in ("experts.gate_up_proj", "experts.down_proj", "shared_expert.gate_proj.weight",
+                 "shared_expert.up_proj.weight", "shared_expert.down_proj.weight"):
+        module, attr = name.rsplit(".", 1)
+        p = block.get_submodule(module)._parameters[attr]
+        q = fmt.quantize(p.data)
+        reference[name] = fmt.dequantize(q, p.shape[-1])
+        block.get_submodule(module)._parameters[attr] = torch.nn.Parameter(q, requires_grad=False)
+    x = torch.randn(5, 96, generator=g)
+    dense = SparseMoeBlock(cfg).eval()
+    dense.load_state_dict(reference)
+    prefill = torch.randn(80, 96, generator=g)  # more rows than decode: expert_mlp converts per expert
+    with torch.no_grad():
+        assert rel_err(block(x), dense(x)) < 1e-5  # moe_decode reading the compact experts
+        assert rel_err(block(prefill), dense(prefill)) < 1e-5
+
+
+def test_weights_specs():
+    assert policy.parse("int4")["embed"] == "auto" and policy.parse("int4")["experts"] == "int4"
+    parts = policy.parse("int4,attention=int8,embed=fp32")
+    assert parts["attention"] == "int8" and parts["deltanet"] == "int4" and parts["embed"] == "fp32"
+    assert policy.parse("experts=int4")["lm_head"] == "auto"
+    for bad, match in [("int3", "unknown weights format"), ("int4,heads=int8", "unknown weights part"),
+                       ("int8,embed=int4", "embed"), ("", "weights must be")]:
+        with pytest.raises(ValueError, match=match):
+            policy.parse(bad)
+
+
+def _bf16_checkpoint(tmp_path, kind, **overrides):
+    from tests import tiny
+
+    model = tiny.hf_model(kind, **overrides).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / kind)
+    return tmp_path / kind
+
+
+def _decode_logits(model, ids, mask, steps):
+    """A left-padded prefill of ids[:, :-steps] then one token per row per step: logits [B, T, V]."""
+    cache = model.lm.make_cache(ids.shape[0], ids.shape[1])
+    prompt = ids.shape[1] - steps
+    with torch.no_grad():
+        out = [model.lm(ids[:, :prompt], attention_mask=mask, cache=cache)]
+        positions = mask.sum(-1)
+        for i in range(prompt, ids.shape[1]):
+            pos = (positions + i - prompt)[None, :, None].expand(3, -1, 1)
+            out.append(model.lm(ids[:, i : i + 1], positions=pos, cache=cache))
+    return torch.cat(out, 1)
+
+
+def _batch(b, seed=0):
+    ids = torch.randint(3, 500, (b, 12), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(b, 8, dtype=torch.long)
+    mask[b - 1, :3] = 0  # the last row left-padded
+    return ids, mask
+
+
+@pytest.mark.parametrize("kind", ["moe_text", "dense_vl"])
+def test_bf16_storage_equals_fp32_on_a_bf16_checkpoint(tmp_path, kind, monkeypatch):
+    path = _bf16_checkpoint(tmp_path, kind, shared_expert_intermediate_size=64) if kind.startswith("moe") else \
+        _bf16_checkpoint(tmp_path, kind)
+    monkeypatch.setattr(kernels, "MIN_WEIGHT_ELEMENTS", 0)
+    fp32, auto = mm.load_model(path, weights="fp32"), mm.load_model(path)
+    assert auto.lm.lm_head.weight.dtype == torch.bfloat16 and fp32.lm.lm_head.weight.dtype == torch.float32
+    ids, mask = _batch(3)
+    assert rel_err(auto(ids), fp32(ids)) <= 1e-5
+    assert rel_err(_decode_logits(auto, ids, mask, 4), _decode_logits(fp32, ids, mask, 4)) <= 1e-5
+
+
+def _dequantized_fp32(model, path):
+    """The fp32 model of `path` with the compact model's weights, dequantized, in its parameters."""
+    ref = mm.load_model(path, weights="fp32")
+    params = dict(ref.lm.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name, p in model.lm.named_parameters(remove_duplicate=False):
+            params[name].copy_(to_float(p, params[name].shape[-1]))
+    return ref
+
+
+@pytest.mark.parametrize("kind", ["moe_text", "dense_vl"])
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_compact_model_equals_its_dequantized_weights_in_fp32(tmp_path, monkeypatch, kind, weights, batch):
+    """int8 / int4 storage through the kernels against the same weights dequantized to float32 through
+    the reference path (no kernels): float32 activations to float32 rounding; int8 activations
+    within 10% of the logits' range on these tiny random models, whose 4 random layers amplify
+    it (bench/formats.py gives the figures of a real-proportioned model)."""
+    extra = dict(shared_expert_intermediate_size=64) if kind.startswith("moe") else {}
+    path = _bf16_checkpoint(tmp_path, kind, **extra)
+    monkeypatch.setattr(kernels, "MIN_WEIGHT_ELEMENTS", 0)
+    model = mm.load_model(path, weights=weights)
+    assert model.lm.lm_head.weight.dtype == torch.uint8 and model.lm.model.embed_tokens.weight.dtype == torch.bfloat16
+    reference = _dequantized_fp32(model, path)
+    ids, mask = _batch(batch, seed=batch)
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "0")
+    ref = _decode_logits(reference, ids, mask, 4)
+    unkerneled = _decode_logits(model, ids, mask, 4)  # the compact model's own reference path
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    kernels.set_int8_activations(False)
+    try:
+        exact = _decode_logits(model, ids, mask, 4)
+    finally:
+        kernels.set_int8_activations(True)
+    fast = _decode_logits(model, ids, mask, 4)
+    assert rel_err(unkerneled, ref) < 1e-5
+    assert rel_err(exact, ref) < 1e-5
+    assert 1e-6 < rel_err(fast, ref) < 1e-1
+
+
+def test_tied_head_in_another_format_gets_its_own_table(tmp_path, monkeypatch):
+    path = _bf16_checkpoint(tmp_path, "dense_text", tie_word_embeddings=True)
+    model = mm.load_model(path, weights="int8")
+    head, table = model.lm.lm_head.weight, model.lm.model.embed_tokens.weight
+    assert head.dtype == torch.uint8 and table.dtype == torch.bfloat16
+    assert torch.equal(to_float(head, table.shape[1]), INT8.dequantize(INT8.quantize(table.float()), table.shape[1]))
+    auto = mm.load_model(path)
+    assert auto.lm.lm_head.weight is auto.lm.model.embed_tokens.weight  # one format: still one tensor
+
+
+def test_unknown_weights_and_quantization_methods_are_refused(tmp_path):
+    import json
+
+    path = _bf16_checkpoint(tmp_path, "dense_text")
+    with pytest.raises(ValueError, match="unknown weights format 'q5'"):
+        mm.load_model(path, weights="q5")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantization method 'gptq'"):
+        mm.load_model(path)
+
+
+def test_fp8_checkpoint_loads_block_dequantized(tmp_path):
+    """Qwen's FP8 layout: 2-D weights in F8_E4M3 with one `weight_scale_inv` per 128x128 block."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = _bf16_checkpoint(tmp_path, "moe_text", hidden_size=160)  # 160: a ragged last block of 32
+    tensors = load_file(path / "model.safetensors")
+    expected, fp8 = {}, {}
+    g = torch.Generator().manual_seed(0)
+    for name, t in tensors.items():
+        if t.dim() == 2 and "embed" not in name and "norm" not in name and "gate.weight" not in name:
+            r, c = t.shape
+            scale = torch.rand(-(-r // 128), -(-c // 128), generator=g) * 0.01 + 0.001
+            full = scale.repeat_interleave(128, 0)[:r].repeat_interleave(128, 1)[:, :c]
+            q = (t.float() / full).to(torch.float8_e4m3fn)
+            fp8[name], fp8[name + "_scale_inv"] = q, scale
+            expected[name] = q.float() * full
+        else:
+            fp8[name] = t
+    save_file(fp8, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                     "activation_scheme": "dynamic"}
+    (path / "config.json").write_text(json.dumps(config))
+    model = mm.load_model(path, weights="fp32")
+    params = dict(model.lm.named_parameters())
+    for name, value in expected.items():
+        if ".experts." in name:  # per-expert tensors: slices of the fused parameters
+            prefix, e, kind, _ = name.rsplit(".", 3)
+            fused = params[f"{prefix}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}"][int(e)]
+            inter = fused.shape[0] // 2
+            param = {"gate_proj": fused[:inter], "up_proj": fused[inter:], "down_proj": fused}[kind]
+        else:
+            param = params[name]
+        assert torch.equal(param, value), name
+    assert mm.load_model(path).lm.lm_head.weight.dtype == torch.bfloat16  # auto: an fp8 checkpoint is bf16-class
