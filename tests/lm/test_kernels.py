@@ -234,9 +234,13 @@ def test_decode_attention_kernel_equals_reference(monkeypatch, masked, heads, di
 
 def test_kernels_reject_mismatched_weights_with_a_clear_error(monkeypatch):
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
-    with pytest.raises(RuntimeError, match="weight must be a float32 CPU tensor"):
-        kernels.multi_linear(torch.randn(2, 64), [torch.randn(8, 64, dtype=torch.bfloat16)])
-    with pytest.raises(RuntimeError, match="must be contiguous"):
+    with pytest.raises(RuntimeError, match="unsupported weight dtype"):
+        kernels.multi_linear(torch.randn(2, 64), [torch.randn(8, 64, dtype=torch.float16)])
+    with pytest.raises(RuntimeError, match="rows of 48 bytes are neither Q8_0"):
+        kernels.multi_linear(torch.randn(2, 64), [torch.zeros(8, 48, dtype=torch.uint8)])
+    with pytest.raises(RuntimeError, match="bfloat16 rows of 32, expected 64"):
+        kernels.multi_linear(torch.randn(2, 64), [torch.zeros(8, 32, dtype=torch.bfloat16)])
+    with pytest.raises(RuntimeError, match="must be a contiguous"):
         kernels.multi_linear(torch.randn(2, 64), [torch.randn(64, 8).T])
 
 

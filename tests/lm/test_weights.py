@@ -86,9 +86,10 @@ def test_tied_embeddings_and_bf16_storage(tmp_path):
     assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
     _logits_match(hf, tmp_path)
     _rewrite(tmp_path, lambda ts: {k: v.to(torch.bfloat16) for k, v in ts.items()})
-    model = mm.load_model(tmp_path)
-    assert model.lm.lm_head.weight.dtype == torch.float32
-    assert model.lm.lm_head.weight.data_ptr() == model.lm.model.embed_tokens.weight.data_ptr()
+    for weights, dtype in (("auto", torch.bfloat16), ("fp32", torch.float32)):  # auto keeps a bf16 checkpoint bf16
+        model = mm.load_model(tmp_path, weights=weights)
+        assert model.lm.lm_head.weight.dtype == dtype and model.lm.compute_dtype == torch.float32
+        assert model.lm.lm_head.weight.data_ptr() == model.lm.model.embed_tokens.weight.data_ptr()
 
 
 def test_mtp_tensors_are_skipped(checkpoints, tmp_path):
