@@ -69,7 +69,7 @@ inline void dot_row_i8(const QuantizedX& x, const uint8_t* w, float* y, int64_t 
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  auto step = [&](int64_t b, int c) {
     const uint8_t* p = w + b * bytes;
     __builtin_prefetch(p + PREFETCH_BYTES, 0, 3);
     const float dw = half_to_float(p);
@@ -77,10 +77,13 @@ inline void dot_row_i8(const QuantizedX& x, const uint8_t* w, float* y, int64_t 
     for (int r = 0; r < R; ++r) {
       const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + r * K + b * QK));
       const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xq, wq)), ones);
-      __m256& a = acc[r][b % C];
-      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * x.d[r * nb + b]), a);
+      acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * x.d[r * nb + b]), acc[r][c]);
     }
-  }
+  };
+  int64_t b = 0;
+  for (; b + C <= nb; b += C)
+    for (int c = 0; c < C; ++c) step(b + c, c);  // c known at compile time: the accumulators stay in registers
+  for (; b < nb; ++b) step(b, 0);
   for (int r = 0; r < R; ++r) {
     __m256 t = acc[r][0];
     for (int c = 1; c < C; ++c) t = _mm256_add_ps(t, acc[r][c]);

@@ -39,7 +39,9 @@ constexpr int64_t PREFETCH = 2048;  // floats ahead of the current position (8 K
 // independent accumulator chains per x row.
 template <int R>
 inline void dot_row(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
-  constexpr int C = R == 1 ? 4 : R <= 4 ? 2 : 1;  // accumulator chains per x row (at most 8 in flight)
+  // accumulator chains per x row: at most 8 vectors in flight, i.e. 16 registers with AVX2 (W = 8),
+  // where a vec is two: R = 3-4 with two chains each spilled there (batch 4 ran ~3x batch 1)
+  constexpr int C = R == 1 ? 4 : R <= (W == 16 ? 4 : 2) ? 2 : 1;
   vec a[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = vec{};
@@ -89,19 +91,18 @@ inline void dot_row_wide(const float* x, int64_t ldx, const float* w, int64_t k0
 }
 
 // Rows [0, M) of x (M <= 8) times weight rows [n0, n1) of W [N, K] -> y[:, n0:n1] (row stride ldy).
-// Each weight row comes from memory once. With 5-8 rows, x is taken in chunks of K (x's chunk stays
-// in L1 while the weight rows of the block stream past it): ~1.8x faster at K = 2048 here.
+// Each weight row comes from memory once. With 3-8 rows, x is taken in chunks of K (x's chunk stays
+// in L1 while the weight rows of the block stream past it): ~1.8x faster at K = 2048 with 8 rows;
+// with 4 rows of K = 2048 (32 KiB, all of L1) the unchunked form ran ~3x slower on AVX2.
 inline void block(const float* x, int64_t M, int64_t ldx, const float* W, int64_t K, int64_t n0, int64_t n1,
                   float* y, int64_t ldy) {
-  if (M <= 4) {
+  if (M <= 2) {
     for (int64_t n = n0; n < n1; ++n) {
       const float* w = W + n * K;
-      switch (M) {
-        case 1: dot_row<1>(x, ldx, w, K, y + n, ldy); break;
-        case 2: dot_row<2>(x, ldx, w, K, y + n, ldy); break;
-        case 3: dot_row<3>(x, ldx, w, K, y + n, ldy); break;
-        default: dot_row<4>(x, ldx, w, K, y + n, ldy); break;
-      }
+      if (M == 1)
+        dot_row<1>(x, ldx, w, K, y + n, ldy);
+      else
+        dot_row<2>(x, ldx, w, K, y + n, ldy);
     }
     return;
   }
@@ -111,6 +112,8 @@ inline void block(const float* x, int64_t M, int64_t ldx, const float* W, int64_
     for (int64_t n = n0; n < n1; ++n) {
       const float* w = W + n * K;
       switch (M) {
+        case 3: dot_row_wide<3>(x, ldx, w, k0, k1, y + n, ldy, k0 > 0); break;
+        case 4: dot_row_wide<4>(x, ldx, w, k0, k1, y + n, ldy, k0 > 0); break;
         case 5: dot_row_wide<5>(x, ldx, w, k0, k1, y + n, ldy, k0 > 0); break;
         case 6: dot_row_wide<6>(x, ldx, w, k0, k1, y + n, ldy, k0 > 0); break;
         case 7: dot_row_wide<7>(x, ldx, w, k0, k1, y + n, ldy, k0 > 0); break;
@@ -154,7 +157,7 @@ inline void dot_row_fmt(const float* x, int64_t ldx, const uint8_t* w, int64_t k
 template <class T>
 inline void block_fmt(const float* x, int64_t M, int64_t ldx, const Rows& W, int64_t K, int64_t n0, int64_t n1,
                       float* y, int64_t ldy) {
-  const int64_t KC = M <= 4 ? K : 1024;
+  const int64_t KC = M <= 2 ? K : 1024;
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t k1 = std::min(K, k0 + KC);
     for (int64_t n = n0; n < n1; ++n) {
