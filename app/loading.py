@@ -8,7 +8,9 @@ from pathlib import Path
 
 import torch
 
-from mm import Pipeline
+from lm.kernels.build import prebuild
+from mm import ModelConfig, Pipeline
+from mm.tokenizer_check import check_tokenizer_files
 
 from .default_model import RANDOM_WEIGHTS_NOTICE, default_model_path
 
@@ -28,11 +30,25 @@ def resolve_model(model: str | Path | None) -> Path:
     return path
 
 
+def check_model(model: str | Path | None) -> Path:
+    """`resolve_model`, then the checks that take a second rather than a weight load: config.json
+    names a model type this pipeline runs, and the tokenizer files are there. Front ends call it
+    before they touch any input."""
+    path = resolve_model(model)
+    ModelConfig.from_pretrained(path)
+    check_tokenizer_files(path)
+    return path
+
+
 def load_pipeline(model: str | Path | None, *, device: str = "cpu", dtype: torch.dtype | str | None = None) -> Pipeline:
-    """`mm.Pipeline` for a checkpoint directory (None: the built-in random-weights model)."""
+    """`mm.Pipeline` for a checkpoint directory (None: the built-in random-weights model). On CPU the
+    C++ kernels are built (first time, announced) or loaded first, so no request waits for a build."""
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
-    return Pipeline.from_pretrained(resolve_model(model), device=device, dtype=dtype)
+    path = resolve_model(model)
+    if torch.device(device).type == "cpu":
+        prebuild()
+    return Pipeline.from_pretrained(path, device=device, dtype=dtype)
 
 
 def parse_dtype(name: str) -> torch.dtype:

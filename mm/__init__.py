@@ -13,5 +13,6 @@ from .tokenizer_check import TokenizerMismatchError
 
 __all__ = [
     "ModelConfig", "ModelInputs", "Output", "PRESETS", "Pipeline", "PlaceholderMismatchError", "Processor",
-    "TokenizerMismatchError", "VLModel", "VideoInfo", "load_chat_template", "load_model", "mrope_positions", "split_thinking", "token_types",
+    "TokenizerMismatchError", "VLModel", "VideoInfo", "load_chat_template", "load_model", "mrope_positions",
+    "split_thinking", "token_types",
 ]
