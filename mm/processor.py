@@ -166,8 +166,11 @@ class Processor:
         for item in items:
             try:
                 images.append(preprocess.load_image(item.source))
+                self.image_processor.target_size(images[-1].height, images[-1].width)  # e.g. an extreme aspect ratio
             except preprocess.ImageError as error:
                 raise preprocess.ImageError(f"{item.where}: {error}") from error
+            except ValueError as error:
+                raise ValueError(f"{item.where}: {error}") from error
         return self.image_processor(images)
 
     def _videos(self, items: list[MediaItem]) -> tuple[preprocess.VisualInputs | None, list[VideoInfo]]:
