@@ -27,7 +27,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 
@@ -155,10 +155,16 @@ class _NoCudaNotice(logging.Filter):
         return not str(record.msg).startswith("No CUDA runtime is found")
 
 
-def _build(name: str, directory: Path) -> ModuleType:
+def import_builder() -> Callable[..., ModuleType]:
+    """torch's `cpp_extension.load`, imported without its "No CUDA runtime is found" warning."""
     logging.getLogger("torch.utils.cpp_extension").addFilter(_NoCudaNotice())
     from torch.utils.cpp_extension import load
 
+    return load
+
+
+def _build(name: str, directory: Path) -> ModuleType:
+    load = import_builder()
     directory.mkdir(parents=True, exist_ok=True)
     return load(name=name, sources=SOURCES, extra_include_paths=[str(HERE)], extra_cflags=CFLAGS,
                 extra_ldflags=LDFLAGS, build_directory=str(directory))  # fmt: skip
