@@ -95,7 +95,8 @@ def answer_messages(text: str, thinking: bool, seconds: float, finished: bool) -
 
 def error_message(error: Exception, conversation: list[Message] | None = None) -> Message:
     """The chat's error message for `error`, raised on `conversation` (see `describe_error`)."""
-    return {"role": "assistant", "content": describe_error(error, conversation or []), "metadata": {"title": ERROR_TITLE}}
+    content = describe_error(error, conversation or [])
+    return {"role": "assistant", "content": content, "metadata": {"title": ERROR_TITLE}}
 
 
 def describe_error(error: Exception, conversation: list[Message]) -> str:
