@@ -80,3 +80,16 @@ def test_the_no_cuda_runtime_warning_is_silenced(tmp_path):
     ours = subprocess.run([sys.executable, "-c", "from lm.kernels.build import import_builder; import_builder()"],
                           capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
     assert ours.returncode == 0 and "No CUDA runtime" not in ours.stderr, ours.stderr
+
+
+def test_a_failed_build_is_loud(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/bin/false"}
+    command = [sys.executable, "-m", "lm.kernels.build"]  # an empty cache and a compiler that always fails
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 1
+    assert "building CPU kernels (one time, ~" in result.stderr
+    assert "error: the CPU kernels did not build: " in result.stderr and "QWEN35_CPU_KERNELS=0" in result.stderr
+    prebuild = [sys.executable, "-c", "from lm.kernels.build import prebuild; prebuild()"]
+    strict = subprocess.run(prebuild, cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**env, "QWEN35_CPU_KERNELS": "1"})  # fmt: skip
+    assert strict.returncode == 1 and "QWEN35_CPU_KERNELS=1 but the CPU kernels did not build" in strict.stderr
