@@ -123,12 +123,17 @@ def build_minutes(cores: int | None = None) -> int:
 
 def load_kernels() -> ModuleType:
     """The compiled module: a cached build for this CPU and these sources, else a new build
-    (announced on stderr, with its time). Raises if no C++ compiler / ninja is available or the
+    (announced on stderr, with its time; also when the cached library does not load). Raises if no C++ compiler / ninja is available or the
     build fails (the error carries the compiler's output)."""
     name = extension_name()
     library = cached_library(name)
     if library is not None:
-        return _import(name, library)
+        try:
+            return _import(name, library)
+        except ImportError as error:  # e.g. a build killed while linking
+            print(f"[qwen35] the cached CPU kernels {library} do not load ({error}); building them again",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            library.unlink()
     directory = build_directory(name)
     print(f"[qwen35] building CPU kernels (one time, ~{build_minutes()} min on {os.cpu_count()} cores) in "
           f"{directory} ...", file=sys.stderr, flush=True)  # fmt: skip

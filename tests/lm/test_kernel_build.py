@@ -93,3 +93,15 @@ def test_a_failed_build_is_loud(tmp_path):
     strict = subprocess.run(prebuild, cwd=REPO, capture_output=True, text=True, timeout=300,
                             env={**env, "QWEN35_CPU_KERNELS": "1"})  # fmt: skip
     assert strict.returncode == 1 and "QWEN35_CPU_KERNELS=1 but the CPU kernels did not build" in strict.stderr
+
+
+def test_a_cached_library_that_does_not_load_is_built_again(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/bin/false"}
+    name = extension_name()
+    (tmp_path / name).mkdir()
+    (tmp_path / name / f"{name}.so").write_bytes(b"half a library: the build was killed while linking")
+    result = subprocess.run([sys.executable, "-m", "lm.kernels.build"], cwd=REPO, capture_output=True, text=True,
+                            env=env, timeout=300)  # fmt: skip
+    assert "do not load" in result.stderr and "building them again" in result.stderr, result.stderr
+    assert "building CPU kernels (one time" in result.stderr  # the rebuild (which this compiler fails)
+    assert not (tmp_path / name / f"{name}.so").exists()
