@@ -28,7 +28,7 @@ from preprocess.video import MIN_FRAMES
 from .caption_inputs import expand_inputs, in_shard, parse_shard
 from .caption_run import CaptionJob, run
 from .caption_store import CaptionStore
-from .loading import add_model_arguments, check_model, load_pipeline
+from .loading import add_model_arguments, check_model, device_problem, load_pipeline
 
 DEFAULT_PROMPT = "Describe this video in detail."
 
@@ -74,6 +74,8 @@ def _option_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--fps must be a positive number, got {args.fps}")
     if not args.prompt.strip():
         problems.append("--prompt is empty")
+    if (problem := device_problem(args.device)) is not None:
+        problems.append(problem)
     try:
         parse_shard(args.shard)
     except ValueError as error:

@@ -17,7 +17,7 @@ from mm import PRESETS, Pipeline
 
 from .demo_chat import MODEL_DEFAULT, error_message, sampling_params, stream_reply, user_message
 from .default_model import RANDOM_WEIGHTS_NOTICE
-from .loading import add_model_arguments, check_model, load_pipeline
+from .loading import add_model_arguments, check_model, device_problem, load_pipeline
 
 MAX_FILE_SIZE = "200mb"
 API_NAME = "chat"  # gradio_client: client.submit(message, history, *controls, api_name="/chat")
@@ -142,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """Start the demo server (blocks until interrupted)."""
     args = parse_args(argv)
+    if (problem := device_problem(args.device)) is not None:
+        raise SystemExit(f"error: {problem}")
     try:
         path = check_model(args.model)  # prints the random-weights notice when no --model
         pipeline = load_pipeline(path, device=args.device, dtype=args.dtype)  # CPU kernels built first

@@ -51,6 +51,19 @@ def load_pipeline(model: str | Path | None, *, device: str = "cpu", dtype: torch
     return Pipeline.from_pretrained(path, device=device, dtype=dtype)
 
 
+def device_problem(device: str) -> str | None:
+    """Why `device` cannot run a model here (not a torch device, or a CUDA device this machine lacks), or None."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as error:
+        return f"--device {device}: not a torch device ({error})"
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count()
+        if count == 0 or (parsed.index is not None and parsed.index >= count):
+            return f"--device {device}: this machine has {count} CUDA device(s)"
+    return None
+
+
 def parse_dtype(name: str) -> torch.dtype:
     """A torch dtype from its name ("bfloat16", "float16", "float32")."""
     if name not in DTYPES:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from app import RANDOM_WEIGHTS_NOTICE, caption
 from app.caption_inputs import expand_inputs, in_shard, parse_shard
@@ -152,7 +153,10 @@ def test_options_are_checked_before_any_video_is_read(folder, tmp_path, capsys):
                                                      "sampled to; use --max-frames 4 or more"),
                              (["--fps", "0"], "--fps must be a positive number, got 0.0"),
                              (["--prompt", " "], "--prompt is empty"),
-                             (["--shard", "3/2"], "--shard 3/2: need 0 <= i < n")):  # fmt: skip
+                             (["--shard", "3/2"], "--shard 3/2: need 0 <= i < n"),
+                             (["--device", "gpu"], "--device gpu: not a torch device"),
+                             (["--device", f"cuda:{torch.cuda.device_count()}"],
+                              f"this machine has {torch.cuda.device_count()} CUDA device(s)")):  # fmt: skip
         with pytest.raises(SystemExit) as exit:
             caption.main([str(folder), "--out", str(out), *options])
         assert exit.value.code == 2
