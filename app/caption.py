@@ -58,8 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="caption again the videos that have only error records in --out (captioned ones "
                              "are never redone)")  # fmt: skip
     args = parser.parse_args(argv)
-    for problem in _option_problems(args):
-        parser.error(problem)
+    problems = _option_problems(args)
+    if problems:
+        parser.error("; ".join(problems))
     args.shard = parse_shard(args.shard)
     return args
 
