@@ -1,12 +1,12 @@
 # Two commands do everything on a fresh machine:
-#   make demo   set up .venv and start the Gradio demo (built-in random model unless MODEL=PATH)
-#   make test   set up .venv (and Debian's chromium for the browser test) and run the test suite
+#   make demo   set up .venv, build the CPU kernels, start the Gradio demo (built-in random model unless MODEL=PATH)
+#   make test   set up .venv, build the CPU kernels (and install Debian's chromium for the browser test), run the tests
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 MODEL ?=
 
-.PHONY: install chromium demo test bench
+.PHONY: install kernels chromium demo test bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,16 +16,22 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# The C++ CPU kernels (lm/kernels), built once per CPU instruction set and source version (a few
+# minutes, announced), then loaded from the cache in a second. Fails loudly without a C++ compiler;
+# QWEN35_CPU_KERNELS=0 skips them (the reference PyTorch paths, 2-3x slower on CPU).
+kernels: install
+	$(BIN)/python -m lm.kernels.build
+
 # Browser tests drive Debian's chromium through Playwright (Playwright's own browser download is not used).
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
-demo: install
-	$(BIN)/python -m app.demo $(if $(MODEL),--model $(MODEL),)
+demo: kernels
+	$(BIN)/python -m app.demo $(if $(MODEL),--model "$(MODEL)",)
 
-test: install chromium
+test: kernels chromium
 	$(BIN)/python -m pytest
 
-bench: install
+bench: kernels
 	$(BIN)/python -m bench.lm
 	$(BIN)/python -m bench.vision

@@ -1,4 +1,4 @@
-"""app: the front ends over `mm.Pipeline` (see ../shared/design.md): the `VQA` Python API, the Gradio
+"""app: the front ends over `mm.Pipeline` (see docs/architecture.md): the `VQA` Python API, the Gradio
 demo (`python -m app.demo`), batch video captioning (`python -m app.caption`) and the built-in model."""
 
 from .default_model import RANDOM_WEIGHTS_NOTICE, default_model_path

@@ -3,8 +3,9 @@
 Writes one JSON line per video: path (absolute), caption, thinking, frames (count), timestamps
 (seconds of the frames used), duration (seconds), error (null, or why the video has no caption),
 finish_reason, completion_tokens and seconds (the video's decode time plus its share of its batch's
-generation time). Videos already in the output file are skipped, so rerunning the same command
-resumes an interrupted run; a crash loses at most the batch in flight.
+generation time). Videos already captioned in the output file are skipped, so rerunning the same
+command resumes an interrupted run; a crash loses at most the batch in flight. Videos with only
+error records are skipped too, unless `--retry-errors` asks to caption them again.
 
     python -m app.caption videos/ --out captions.jsonl --model /models/Qwen3.5-35B-A3B --device cuda
     # a SLURM array, one output per shard:
@@ -15,29 +16,36 @@ resumes an interrupted run; a crash loses at most the batch in flight.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 from tqdm import tqdm
+
+from preprocess.video import MIN_FRAMES
 
 from .caption_inputs import expand_inputs, in_shard, parse_shard
 from .caption_run import CaptionJob, run
 from .caption_store import CaptionStore
-from .loading import add_model_arguments, load_pipeline, resolve_model
+from .loading import add_model_arguments, check_model, device_problem, load_pipeline
 
 DEFAULT_PROMPT = "Describe this video in detail."
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line of `python -m app.caption`."""
+    """The command line of `python -m app.caption`; every option is checked here, before any video is read."""
     parser = argparse.ArgumentParser(prog="python -m app.caption", description=__doc__.split("\n\n")[0])
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
                         help="video files, folders (searched recursively) or .txt/.csv/.jsonl lists of paths")
-    parser.add_argument("--out", required=True, help="output .jsonl file (appended to; existing videos are skipped)")
+    parser.add_argument("--out", required=True,
+                        help="output .jsonl file (appended to; videos already captioned in it are skipped)")
     add_model_arguments(parser)
     default = " (default: %(default)s)"
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the question asked about every video" + default)
     parser.add_argument("--fps", type=float, default=2.0, help="frames sampled per second of video" + default)
-    parser.add_argument("--max-frames", type=int, default=64, help="at most this many frames per video" + default)
+    parser.add_argument("--max-frames", type=int, default=64,
+                        help=f"at most this many frames per video, at least {MIN_FRAMES}" + default)
     parser.add_argument("--batch-size", type=int, default=4, help="videos per generation call" + default)
     parser.add_argument("--workers", type=int, default=2, help="decoding threads, ahead of generation" + default)
     parser.add_argument("--max-new-tokens", type=int, default=512, help="caption length limit in tokens" + default)
@@ -46,38 +54,79 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: not seeded)")
     parser.add_argument("--thinking", action="store_true", help="let the model think before captioning")
     parser.add_argument("--shard", default="0/1", help="i/n: only shard i of n, split by a hash of the path" + default)
+    parser.add_argument("--retry-errors", action="store_true",
+                        help="caption again the videos that have only error records in --out (captioned ones "
+                             "are never redone)")  # fmt: skip
     args = parser.parse_args(argv)
-    for name in ("batch_size", "workers", "max_frames", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    try:
-        args.shard = parse_shard(args.shard)
-    except ValueError as error:
-        parser.error(str(error))
+    problems = _option_problems(args)
+    if problems:
+        parser.error("; ".join(problems))
+    args.shard = parse_shard(args.shard)
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the captioner; returns the exit status (0 also when some videos got error records)."""
-    args = parse_args(argv)
+def _option_problems(args: argparse.Namespace) -> list[str]:
+    problems = [f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+                for name in ("batch_size", "workers", "max_new_tokens") if getattr(args, name) < 1]  # fmt: skip
+    if args.max_frames < MIN_FRAMES:
+        problems.append(f"--max-frames {args.max_frames} is below {MIN_FRAMES}, the fewest frames a video is "
+                        f"sampled to; use --max-frames {MIN_FRAMES} or more")  # fmt: skip
+    if not (math.isfinite(args.fps) and args.fps > 0):
+        problems.append(f"--fps must be a positive number, got {args.fps}")
+    if not args.prompt.strip():
+        problems.append("--prompt is empty")
+    if (problem := device_problem(args.device)) is not None:
+        problems.append(problem)
     try:
-        model_path = resolve_model(args.model)  # fail (or announce the random model) before any work
-    except FileNotFoundError as error:
-        raise SystemExit(f"error: {error}") from None
-    paths = [p for p in expand_inputs(args.inputs) if in_shard(p, *args.shard)]
-    with CaptionStore(args.out) as store:
-        todo = [p for p in paths if p not in store.done]
-        print(f"{len(paths)} videos in shard {args.shard[0]}/{args.shard[1]}, {len(paths) - len(todo)} already in "
-              f"{args.out}, {len(todo)} to caption", file=sys.stderr)  # fmt: skip
+        parse_shard(args.shard)
+    except ValueError as error:
+        problems.append(str(error))
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the captioner; returns the exit status (0 also when some videos got error records).
+    A missing input, an unusable model or output file ends it with a one-line `error:` message."""
+    args = parse_args(argv)
+    model_path = _checked(lambda: check_model(args.model))  # fail (or announce the random model) before any work
+    paths = _checked(lambda: [p for p in expand_inputs(args.inputs) if in_shard(p, *args.shard)])
+    with _checked(lambda: CaptionStore(args.out)) as store:
+        todo = [p for p in paths if p not in store.captioned and (args.retry_errors or p not in store.failed)]
+        print(_plan(paths, store, args, len(todo)), file=sys.stderr)
         if not todo:
             return 0
-        pipeline = load_pipeline(model_path, device=args.device, dtype=args.dtype, weights=args.weights)
+        pipeline = _checked(lambda: load_pipeline(model_path, device=args.device, dtype=args.dtype, weights=args.weights))
+        if args.max_new_tokens >= pipeline.max_context:
+            raise SystemExit(f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a video in the "
+                             f"model's context of {pipeline.max_context} tokens")  # fmt: skip
         params = pipeline.default_params(args.preset, max_new_tokens=args.max_new_tokens, seed=args.seed)
         job = CaptionJob(args.prompt, params, args.thinking, args.fps, args.max_frames)
         with tqdm(total=len(todo), unit="video", dynamic_ncols=True, smoothing=0.1) as bar:
             errors = run(pipeline, todo, store, job, batch_size=args.batch_size, workers=args.workers, progress=bar)
     print(f"done: {len(todo) - errors} captioned, {errors} errors, written to {args.out}", file=sys.stderr)
     return 0
+
+
+def _plan(paths: list[str], store: CaptionStore, args: argparse.Namespace, todo: int) -> str:
+    """The line that says what this run will do."""
+    captioned = sum(p in store.captioned for p in paths)
+    failed = sum(p in store.failed for p in paths)
+    retry = "retried" if args.retry_errors else "skipped; --retry-errors retries them"
+    errors = f", {failed} with error records ({retry})" if failed else ""
+    return (f"{len(paths)} videos in shard {args.shard[0]}/{args.shard[1]}: {captioned} already captioned in "
+            f"{args.out}{errors}, {todo} to caption")  # fmt: skip
+
+
+T = TypeVar("T")
+
+
+def _checked(step: Callable[[], T]) -> T:
+    """`step()`, with the errors a user causes (a missing file, an unusable model or output) as
+    `error: ...` lines instead of tracebacks."""
+    try:
+        return step()
+    except (OSError, ValueError, RuntimeError) as error:
+        raise SystemExit(f"error: {error}") from None
 
 
 if __name__ == "__main__":

@@ -11,7 +11,11 @@ from typing import Any
 
 
 class CaptionStore:
-    """Appends records to a .jsonl file; knows which paths already have a record.
+    """Appends records to a .jsonl file; knows which paths already have a caption and which only errors.
+
+    `captioned`: paths with a record whose "error" is null (never captioned again); `failed`: paths
+    whose records are all errors (retried only on request, each retry appending a new record, so
+    a path's last record is its current state); `done`: every path with a record.
 
     Each record is written as one line with a single `write`, then flushed and fsync'ed, so after
     a crash or SIGKILL every line but possibly the last is whole. Opening repairs that: a last line
@@ -26,7 +30,10 @@ class CaptionStore:
         self._file = open(self.path, "a", encoding="utf-8")
         try:
             self._lock()
-            self.done: set[str] = {record["path"] for record in self._read_and_repair()}
+            records = self._read_and_repair()
+            self.done: set[str] = {record["path"] for record in records}
+            self.captioned: set[str] = {record["path"] for record in records if record.get("error") is None}
+            self.failed: set[str] = self.done - self.captioned
         except BaseException:
             self._file.close()
             raise
@@ -38,6 +45,11 @@ class CaptionStore:
         self._file.flush()
         os.fsync(self._file.fileno())
         self.done.add(record["path"])
+        if record.get("error") is None:
+            self.captioned.add(record["path"])
+            self.failed.discard(record["path"])
+        elif record["path"] not in self.captioned:
+            self.failed.add(record["path"])
 
     def close(self) -> None:
         self._file.close()

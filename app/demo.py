@@ -16,11 +16,15 @@ import gradio as gr
 from mm import PRESETS, Pipeline
 
 from .demo_chat import MODEL_DEFAULT, error_message, sampling_params, stream_reply, user_message
-from .loading import add_model_arguments, load_pipeline, resolve_model
 from .default_model import RANDOM_WEIGHTS_NOTICE
+from .loading import add_model_arguments, check_model, device_problem, load_pipeline
 
 MAX_FILE_SIZE = "200mb"
 API_NAME = "chat"  # gradio_client: client.submit(message, history, *controls, api_name="/chat")
+RANDOM_MODEL_THINKING_NOTICE = (
+    "Thinking is off by default here: the random model never closes its `<think>` block, so with Thinking "
+    "on all of its text lands in an unfinished \"Thinking\" block and there is no answer."
+)
 
 
 def build_demo(pipeline: Pipeline, *, notice: str | None = None, title: str = "Qwen3.5 / Qwen3.6 chat",
@@ -115,6 +119,14 @@ def _responder(pipeline: Pipeline):
     return chat
 
 
+def first_impression(model: str | None) -> dict[str, Any]:
+    """`build_demo`'s notice and initial thinking switch for a --model (None: the built-in random
+    model, which gets the random-weights notice and Thinking off, so its first reply shows text)."""
+    if model is None:
+        return {"notice": f"{RANDOM_WEIGHTS_NOTICE} {RANDOM_MODEL_THINKING_NOTICE}", "enable_thinking": False}
+    return {"notice": None, "enable_thinking": True}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m app.demo", description="Gradio chat demo for Qwen3.5 / Qwen3.6")
     add_model_arguments(parser)
@@ -130,15 +142,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """Start the demo server (blocks until interrupted)."""
     args = parse_args(argv)
+    if (problem := device_problem(args.device)) is not None:
+        raise SystemExit(f"error: {problem}")
     try:
-        path = resolve_model(args.model)  # prints the random-weights notice when no --model
-    except FileNotFoundError as error:
+        path = check_model(args.model)  # prints the random-weights notice when no --model
+        pipeline = load_pipeline(path, device=args.device, dtype=args.dtype, weights=args.weights)  # kernels first
+    except (OSError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
-    pipeline = load_pipeline(path, device=args.device, dtype=args.dtype, weights=args.weights)
-    notice = RANDOM_WEIGHTS_NOTICE if args.model is None else None
     title = f"Qwen3.5 / Qwen3.6 chat: {Path(path).name}"
-    demo = build_demo(pipeline, notice=notice, title=title, max_new_tokens=args.max_new_tokens,
-                      concurrency_limit=args.concurrency)  # fmt: skip
+    demo = build_demo(pipeline, title=title, max_new_tokens=args.max_new_tokens, concurrency_limit=args.concurrency,
+                      **first_impression(args.model))  # fmt: skip
     demo.launch(server_name=args.host, server_port=args.port, share=args.share, max_file_size=args.max_file_size)
 
 

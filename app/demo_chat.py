@@ -9,8 +9,10 @@ thinking anyway, and a turn that failed (e.g. a corrupt upload) is left out of l
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from lm import SamplingParams
@@ -21,6 +23,9 @@ from .media import media_kind
 THINKING_TITLE = "Thinking"
 ERROR_TITLE = "Error"
 MODEL_DEFAULT = "model default"  # the preset choice that means the checkpoint's generation_config.json
+UNFINISHED_LOG = "unfinished: the reply ended before the model closed its thinking, so there is no answer"
+# where mm.chat says a problem sits: "conversation 0, message 2, part 1: "
+_WHERE = re.compile(r"^conversation \d+(?:, message (\d+), part (\d+))?: ")
 log = logging.getLogger(__name__)
 
 Message = dict[str, Any]
@@ -75,16 +80,56 @@ def answer_messages(text: str, thinking: bool, seconds: float, finished: bool) -
     thought, answer = split_thinking(text, in_thinking=thinking)
     messages: list[Message] = []
     if thinking:
-        done = finished or "</think>" in text
-        metadata = {"title": THINKING_TITLE, "status": "done" if done else "pending", "duration": round(seconds, 1)}
+        metadata: dict[str, Any] = {"title": THINKING_TITLE, "duration": round(seconds, 1)}
+        if "</think>" in text:
+            metadata["status"] = "done"  # shown collapsed, the answer below it
+        elif not finished:
+            metadata["status"] = "pending"  # open, with a spinner
+        else:
+            metadata["log"] = UNFINISHED_LOG  # no status: shown open, since it is all there is
         messages.append({"role": "assistant", "content": thought, "metadata": metadata})
     if answer or not thinking:
         messages.append({"role": "assistant", "content": answer})
     return messages
 
 
-def error_message(error: Exception) -> Message:
-    return {"role": "assistant", "content": f"{type(error).__name__}: {error}", "metadata": {"title": ERROR_TITLE}}
+def error_message(error: Exception, conversation: list[Message] | None = None) -> Message:
+    """The chat's error message for `error`, raised on `conversation` (see `describe_error`)."""
+    content = describe_error(error, conversation or [])
+    return {"role": "assistant", "content": content, "metadata": {"title": ERROR_TITLE}}
+
+
+def describe_error(error: Exception, conversation: list[Message]) -> str:
+    """The cause, with uploads named by their own file names: not by their place in the conversation
+    ("conversation 0, message 1, part 0") nor by their path in Gradio's upload folder. Bad input
+    (ValueError) reads as the cause alone; anything else keeps its exception type."""
+    text = str(error)
+    named = None
+    where = _WHERE.match(text)
+    if where:
+        text = text[where.end() :]
+        if where.group(1) is not None:
+            named = _upload_name(conversation, int(where.group(1)), int(where.group(2)))
+    uploads = {source for message in conversation for source in _sources(message)}
+    for path in sorted(uploads, key=len, reverse=True):  # a longer path first: one may contain another
+        text = text.replace(path, Path(path).name)
+    if named and named not in text:
+        text = f"{named}: {text}"
+    return text if isinstance(error, ValueError) else f"{type(error).__name__}: {text}"
+
+
+def _sources(message: Message) -> list[str]:
+    parts = message["content"] if isinstance(message.get("content"), list) else []
+    return [p.get("image") or p.get("video") for p in parts if isinstance(p.get("image") or p.get("video"), str)]
+
+
+def _upload_name(conversation: list[Message], message: int, part: int) -> str | None:
+    try:
+        source = conversation[message]["content"][part]
+    except (IndexError, KeyError, TypeError):
+        return None
+    path = source.get("image") or source.get("video") if isinstance(source, dict) else None
+    return Path(path).name if isinstance(path, str) else None
 
 
 def stream_reply(pipeline: Pipeline, history: list[Message], params: SamplingParams, *, thinking: bool,
@@ -94,7 +139,7 @@ def stream_reply(pipeline: Pipeline, history: list[Message], params: SamplingPar
 
     `thinking` is passed to the chat template as enable_thinking; Qwen3.5 / Qwen3.6 templates then
     open a `<think>` block in the prompt, so the text before `</think>` is the thinking."""
-    start, text = time.perf_counter(), ""
+    start, text, conversation = time.perf_counter(), "", None
     try:
         conversation = to_conversation(history, fps=fps, max_frames=max_frames)
         for piece in pipeline.stream(conversation, params, enable_thinking=thinking):
@@ -104,7 +149,7 @@ def stream_reply(pipeline: Pipeline, history: list[Message], params: SamplingPar
         if not isinstance(error, ValueError):  # ValueError: bad input (file, prompt length, options)
             log.exception("generation failed")
         partial = answer_messages(text, thinking, time.perf_counter() - start, finished=True) if text else []
-        yield history + partial + [error_message(error)]
+        yield history + partial + [error_message(error, conversation)]
         return
     yield history + answer_messages(text, thinking, time.perf_counter() - start, finished=True)
 

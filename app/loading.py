@@ -9,7 +9,9 @@ from pathlib import Path
 import torch
 
 from lm.formats.policy import CHOICES as WEIGHTS_CHOICES
-from mm import Pipeline
+from lm.kernels.build import prebuild
+from mm import ModelConfig, Pipeline
+from mm.tokenizer_check import check_tokenizer_files
 
 from .default_model import RANDOM_WEIGHTS_NOTICE, default_model_path
 
@@ -29,13 +31,40 @@ def resolve_model(model: str | Path | None) -> Path:
     return path
 
 
+def check_model(model: str | Path | None) -> Path:
+    """`resolve_model`, then the checks that take a second rather than a weight load: config.json
+    names a model type this pipeline runs, and the tokenizer files are there. Front ends call it
+    before they touch any input."""
+    path = resolve_model(model)
+    ModelConfig.from_pretrained(path)
+    check_tokenizer_files(path)
+    return path
+
+
 def load_pipeline(model: str | Path | None, *, device: str = "cpu", dtype: torch.dtype | str | None = None,
                   weights: str = "auto") -> Pipeline:
     """`mm.Pipeline` for a checkpoint directory (None: the built-in random-weights model); `weights`
-    the storage format of the large weights (see `mm.load_model`)."""
+    the storage format of the large weights (see `mm.load_model`). On CPU the C++ kernels are built
+    (first time, announced) or loaded first, so no request waits for a build."""
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
-    return Pipeline.from_pretrained(resolve_model(model), device=device, dtype=dtype, weights=weights)
+    path = resolve_model(model)
+    if torch.device(device).type == "cpu":
+        prebuild()
+    return Pipeline.from_pretrained(path, device=device, dtype=dtype, weights=weights)
+
+
+def device_problem(device: str) -> str | None:
+    """Why `device` cannot run a model here (not a torch device, or a CUDA device this machine lacks), or None."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as error:
+        return f"--device {device}: not a torch device ({error})"
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count()
+        if count == 0 or (parsed.index is not None and parsed.index >= count):
+            return f"--device {device}: this machine has {count} CUDA device(s)"
+    return None
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -9,8 +9,10 @@ from .model import VLModel
 from .pipeline import PRESETS, Output, Pipeline
 from .processor import ModelInputs, Processor, VideoInfo
 from .rope_index import mrope_positions, token_types
+from .tokenizer_check import TokenizerMismatchError
 
 __all__ = [
     "ModelConfig", "ModelInputs", "Output", "PRESETS", "Pipeline", "PlaceholderMismatchError", "Processor",
-    "VLModel", "VideoInfo", "load_chat_template", "load_model", "mrope_positions", "split_thinking", "token_types",
+    "TokenizerMismatchError", "VLModel", "VideoInfo", "load_chat_template", "load_model", "mrope_positions",
+    "split_thinking", "token_types",
 ]

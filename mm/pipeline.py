@@ -15,6 +15,7 @@ from .chat import split_thinking
 from .loading import load_model
 from .model import VLModel
 from .processor import Conversation, ModelInputs, Processor, PromptTooLongError
+from .tokenizer_check import TokenizerMismatchError, check_tokenizer
 
 # Model-card sampling presets of Qwen3.5 / Qwen3.6 (thinking and non-thinking "instruct" mode).
 PRESETS = {
@@ -39,14 +40,24 @@ class Output:
 
 class Pipeline:
     def __init__(self, model: VLModel, processor: Processor, *, max_context: int | None = None):
+        """TokenizerMismatchError when the processor's tokenizer disagrees with the model (see
+        mm.tokenizer_check)."""
+        check_tokenizer(processor.tokenizer, model.config, model.eos_token_ids())
         self.model, self.processor = model, processor
         self.max_context = max_context or model.config.text.max_position_embeddings
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None,
                         weights: str = "auto") -> "Pipeline":
-        """`weights`: the storage format of the large weights (see `mm.load_model`)."""
-        return cls(load_model(path, device=device, dtype=dtype, weights=weights), Processor.from_pretrained(path))
+        """The pipeline of a checkpoint directory; `weights` the storage format of the large weights
+        (see `mm.load_model`). The processor loads first, so that a checkpoint without its
+        tokenizer files fails before its weights are read."""
+        processor = Processor.from_pretrained(path)
+        model = load_model(path, device=device, dtype=dtype, weights=weights)
+        try:
+            return cls(model, processor)
+        except TokenizerMismatchError as error:
+            raise TokenizerMismatchError(f"{path}: {error}") from None
 
     def default_params(self, preset: str | None = None, **overrides) -> SamplingParams:
         """Sampling defaults: the checkpoint's generation_config.json, or a named preset

@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 
 import preprocess
 from mm.chat import Conversation, MediaItem, collect_media, load_chat_template, render, split_thinking
+from mm.tokenizer_check import check_tokenizer_files
 
 IMAGE_TOKEN = "<|image_pad|>"
 VIDEO_TOKEN = "<|video_pad|>"
@@ -106,10 +107,12 @@ class Processor:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "Processor":
-        """Tokenizer (transformers AutoTokenizer), chat template and image / video processors of a checkpoint dir."""
+        """Tokenizer (transformers AutoTokenizer), chat template and image / video processors of a checkpoint dir.
+        FileNotFoundError naming the files when the tokenizer's are missing (see mm.tokenizer_check)."""
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"checkpoint directory not found: {path}")
+        check_tokenizer_files(path)
         return cls(AutoTokenizer.from_pretrained(str(path)), load_chat_template(path),
                    preprocess.ImageProcessor.from_pretrained(path), preprocess.VideoProcessor.from_pretrained(path))  # fmt: skip
 
@@ -163,8 +166,11 @@ class Processor:
         for item in items:
             try:
                 images.append(preprocess.load_image(item.source))
+                self.image_processor.target_size(images[-1].height, images[-1].width)  # e.g. an extreme aspect ratio
             except preprocess.ImageError as error:
                 raise preprocess.ImageError(f"{item.where}: {error}") from error
+            except ValueError as error:
+                raise ValueError(f"{item.where}: {error}") from error
         return self.image_processor(images)
 
     def _videos(self, items: list[MediaItem]) -> tuple[preprocess.VisualInputs | None, list[VideoInfo]]:

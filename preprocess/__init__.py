@@ -1,4 +1,4 @@
-"""preprocess: images and videos to vision-tower inputs (see ../shared/design.md)."""
+"""preprocess: images and videos to vision-tower inputs (see docs/architecture.md)."""
 
 from .errors import ImageError, VideoError
 from .image_load import load_image

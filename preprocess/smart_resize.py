@@ -63,7 +63,7 @@ def smart_resize_video(
     if num_frames < temporal_factor:
         raise ValueError(f"a video needs at least {temporal_factor} frames, got {num_frames}")
     if height <= 0 or width <= 0:
-        raise ValueError(f"frame sides must be positive, got {height}x{width}")
+        raise ValueError(f"frame sides must be positive, got width {width}, height {height}")
     if height < factor or width < factor:
         up = max(factor / height, factor / width)
         height, width = int(height * up), int(width * up)
@@ -84,8 +84,8 @@ def smart_resize_video(
 
 def _check_sides(height: int, width: int) -> None:
     if height <= 0 or width <= 0:
-        raise ValueError(f"image sides must be positive, got {height}x{width}")
+        raise ValueError(f"image sides must be positive, got width {width}, height {height}")
     ratio = max(height, width) / min(height, width)
     if ratio > MAX_ASPECT_RATIO:
-        raise ValueError(f"aspect ratio {ratio:.1f} of a {height}x{width} image is over the "
+        raise ValueError(f"aspect ratio {ratio:.1f} of a {width}x{height} (width x height) image is over the "
                          f"supported maximum of {MAX_ASPECT_RATIO}")

@@ -16,6 +16,7 @@ from .frame_sampling import select_frames
 from .video_decode import decode_frames
 from .video_index import VideoPath, index_stream, open_video, video_stream
 
+MIN_FRAMES = 4  # default fewest frames a video is sampled to (qwen-vl-utils' FPS_MIN_FRAMES)
 FrameList = Union[Sequence[Union[Image.Image, np.ndarray]], np.ndarray, torch.Tensor]
 VideoSource = Union[VideoPath, FrameList]
 
@@ -52,7 +53,7 @@ def sample_video(
     *,
     fps: float = 2.0,
     num_frames: int | None = None,
-    min_frames: int = 4,
+    min_frames: int = MIN_FRAMES,
     max_frames: int = 768,
     start: float | None = None,
     end: float | None = None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from .errors import VideoError
 VideoPath = Union[str, os.PathLike, bytes]
 
 _IMAGE_FORMATS = ("image2", "image2pipe")  # plus every "*_pipe" demuxer (png_pipe, jpeg_pipe, ...)
+_NETWORK_SCHEMES = ("http://", "https://", "rtsp://")  # opened by FFmpeg's own protocols
+URL_TIMEOUT_S = 30.0  # seconds to wait for a video URL to answer
 _TRUNCATION_SLACK_S = 1.0  # declared duration may exceed the packets' by this much (or 5%)
 
 
@@ -44,26 +47,52 @@ class StreamIndex:
 
 
 def open_video(source: VideoPath, name: str) -> av.container.InputContainer:
-    """Open `source` (path, URL or encoded bytes) with FFmpeg; VideoError on failure."""
+    """Open `source` (path, URL or encoded bytes) with FFmpeg; VideoError on failure.
+
+    Header text (titles, handler names) that is not UTF-8 means random bytes where the header
+    was: the file is refused as corrupt. A URL that FFmpeg cannot open is fetched once more with
+    urllib to tell a failed download (no network, HTTP error) from a file that is not a video.
+    """
     if isinstance(source, (bytes, bytearray)):
         if not source:
             raise VideoError(f"{name}: video data is empty")
         target: object = io.BytesIO(bytes(source))
     else:
         target = _local_path(source, name)
+    url = isinstance(target, str) and target.startswith(_NETWORK_SCHEMES)
+    options = {"timeout": URL_TIMEOUT_S} if url else {}
     try:
-        container = av.open(target, mode="r")
+        container = av.open(target, mode="r", **options)
     except av.error.FFmpegError as e:
+        if url:
+            _raise_download_failure(target)
         raise VideoError(f"{name}: not a readable video file ({_ffmpeg_reason(e)})") from e
+    except UnicodeDecodeError as e:  # PyAV decodes the header's text as strict UTF-8
+        raise VideoError(f"{name}: unreadable video, the file is corrupt: its header holds text that is not "
+                         f"UTF-8 ({e})") from e
     if container.format.name.endswith("_pipe") or container.format.name in _IMAGE_FORMATS:
         container.close()
         raise VideoError(f"{name}: is a still image ({container.format.name}), not a video")
     return container
 
 
+def _raise_download_failure(url: str) -> None:
+    """VideoError saying why `url` cannot be downloaded; returns when it can (the data is then not a video)."""
+    if not url.startswith(("http://", "https://")):
+        return
+    request = urllib.request.Request(url, headers={"User-Agent": "qwen35-vl-preprocess", "Range": "bytes=0-0"})
+    try:
+        with urllib.request.urlopen(request, timeout=URL_TIMEOUT_S):
+            return
+    except urllib.error.HTTPError as e:
+        raise VideoError(f"could not download video {url}: HTTP {e.code} {e.reason}") from e
+    except (urllib.error.URLError, TimeoutError, OSError) as e:
+        raise VideoError(f"could not download video {url}: {getattr(e, 'reason', e)}") from e
+
+
 def _local_path(source: str | os.PathLike, name: str) -> str:
     text = os.fspath(source)
-    if text.startswith(("http://", "https://", "rtsp://")):
+    if text.startswith(_NETWORK_SCHEMES):
         return text  # FFmpeg's own network protocols
     if text.startswith("file://"):
         text = urllib.request.url2pathname(urllib.parse.urlparse(text).path)

@@ -1,4 +1,4 @@
-"""vision: the Qwen3.5 / Qwen3.6 vision tower and its weights (see ../shared/design.md)."""
+"""vision: the Qwen3.5 / Qwen3.6 vision tower and its weights (see docs/architecture.md)."""
 
 from .config import VisionConfig
 from .model import VisionModel

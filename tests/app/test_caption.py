@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from app import RANDOM_WEIGHTS_NOTICE, caption
 from app.caption_inputs import expand_inputs, in_shard, parse_shard
@@ -58,7 +59,8 @@ def test_folder_with_bad_files_gives_a_record_each(folder, tmp_path, capsys):
             assert record["caption"] is None and record["frames"] is None
 
     assert caption.main([str(folder), "--out", str(out), *FAST]) == 0  # everything is done already
-    assert "8 already in" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "6 already captioned" in err and "2 with error records (skipped; --retry-errors retries them)" in err
     assert len(read_records(out)) == 8
 
 
@@ -143,3 +145,75 @@ def test_list_files_and_missing_inputs(tmp_path):
         expand_inputs([str(tmp_path / "empty")])
     with pytest.raises(SystemExit):
         caption.main([str(tmp_path / "v"), "--out", str(tmp_path / "o.jsonl"), "--batch-size", "0"])
+
+
+def test_options_are_checked_before_any_video_is_read(folder, tmp_path, capsys):
+    out = tmp_path / "captions.jsonl"
+    for options, message in ((["--max-frames", "2"], "--max-frames 2 is below 4, the fewest frames a video is "
+                                                     "sampled to; use --max-frames 4 or more"),
+                             (["--fps", "0"], "--fps must be a positive number, got 0.0"),
+                             (["--prompt", " "], "--prompt is empty"),
+                             (["--shard", "3/2"], "--shard 3/2: need 0 <= i < n"),
+                             (["--device", "gpu"], "--device gpu: not a torch device"),
+                             (["--device", f"cuda:{torch.cuda.device_count()}"],
+                              f"this machine has {torch.cuda.device_count()} CUDA device(s)")):  # fmt: skip
+        with pytest.raises(SystemExit) as exit:
+            caption.main([str(folder), "--out", str(out), *options])
+        assert exit.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "min_frames" not in err
+    with pytest.raises(SystemExit, match="error: --max-new-tokens 40000 leaves no room for a video in the model's "
+                                         "context of 32768 tokens"):  # fmt: skip
+        caption.main([str(folder), "--out", str(out), "--max-new-tokens", "40000"])
+    assert not out.exists() or out.read_text() == ""  # no video was touched, no record written
+
+
+def test_retry_errors_redoes_only_failed_videos(tmp_path, capsys):
+    videos = write_videos(tmp_path / "v", 2)
+    late, corrupt = tmp_path / "v" / "late.mp4", tmp_path / "v" / "corrupt.mp4"
+    corrupt.write_bytes(b"not a video " * 50)
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"{p}\n" for p in [*videos, late, corrupt]))  # late.mp4 does not exist yet
+    out = tmp_path / "captions.jsonl"
+    command = [str(listing), "--out", str(out), *FAST]
+    assert caption.main(command) == 0
+    first = read_records(out)
+    assert sorted(Path(r["path"]).name for r in first if r["error"]) == ["corrupt.mp4", "late.mp4"]
+
+    write_videos(tmp_path / "late", 1)[0].rename(late)  # the missing video arrives
+    assert caption.main(command) == 0  # without --retry-errors, errors stay as they are
+    assert "2 with error records (skipped; --retry-errors retries them), 0 to caption" in capsys.readouterr().err
+    assert read_records(out) == first
+
+    assert caption.main([*command, "--retry-errors"]) == 0
+    assert "2 already captioned" in capsys.readouterr().err
+    records = read_records(out)
+    assert records[: len(first)] == first  # appended, never rewritten
+    retried = records[len(first) :]
+    assert sorted(Path(r["path"]).name for r in retried) == ["corrupt.mp4", "late.mp4"]
+    captions = [r["path"] for r in records if r["error"] is None]
+    assert sorted(captions) == sorted(map(str, [*videos, late]))  # each captioned exactly once
+    assert [r["error"] is None for r in retried if r["path"] == str(corrupt)] == [False]
+
+    assert caption.main([*command, "--retry-errors"]) == 0  # only the still corrupt one is retried
+    assert [r["path"] for r in read_records(out)[len(records) :]] == [str(corrupt)]
+
+
+def test_user_errors_are_one_line_without_traceback(folder, tmp_path):
+    out = tmp_path / "captions.jsonl"
+    with pytest.raises(SystemExit, match=r"^error: input not found: .*nope$"):
+        caption.main([str(tmp_path / "nope"), "--out", str(out)])
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(SystemExit, match=r"^error: unsupported model_type 'llama'"):
+        caption.main([str(folder), "--out", str(out), "--model", str(llama)])
+    with pytest.raises(SystemExit, match=r"^error: .* has no config.json"):
+        caption.main([str(folder), "--out", str(out), "--model", str(folder)])
+    with CaptionStore(out):  # a captioner holds the output; a second one, in its own process:
+        command = [sys.executable, "-m", "app.caption", str(folder), "--out", str(out)]
+        result = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                                text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (f"error: {out} is being written by another captioner; give each "
+                                                      "process (shard) its own --out file")  # fmt: skip

@@ -13,8 +13,8 @@ from gradio_client import Client, handle_file
 from PIL import Image
 
 from app import RANDOM_WEIGHTS_NOTICE
-from app.demo import MAX_FILE_SIZE, build_demo
-from app.demo_chat import ERROR_TITLE, THINKING_TITLE
+from app.demo import MAX_FILE_SIZE, build_demo, first_impression
+from app.demo_chat import ERROR_TITLE, THINKING_TITLE, UNFINISHED_LOG
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -31,7 +31,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def url(pipeline):
-    demo = build_demo(pipeline, notice=RANDOM_WEIGHTS_NOTICE, max_new_tokens=48, enable_thinking=False)
+    demo = build_demo(pipeline, max_new_tokens=48, **first_impression(None))  # as `python -m app.demo` builds it
     _, local_url, _ = demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True,
                                   quiet=True, max_file_size=MAX_FILE_SIZE)  # fmt: skip
     yield local_url
@@ -78,15 +78,18 @@ def test_image_video_and_thinking_turns(client, media):
 
     thinking = CONTROLS[:7] + [True] + CONTROLS[8:]
     history, updates = chat(client, "Think first.", controls=thinking)
-    thought = history[1]
-    assert thought["metadata"]["title"] == THINKING_TITLE and thought["metadata"]["status"] == "done"
-    assert texts(thought)
+    thought = history[1]  # the random model never closes its thinking: shown open, marked unfinished
+    assert thought["metadata"]["title"] == THINKING_TITLE and "status" not in thought["metadata"]
+    assert thought["metadata"]["log"] == UNFINISHED_LOG and texts(thought)
     assert any(u[1]["metadata"]["status"] == "pending" for u in updates if len(u) > 1)
 
 
 def test_errors_appear_in_the_chat(client, media):
     history, _ = chat(client, "What is this?", files=[media["corrupt"]])
-    assert history[-1]["metadata"]["title"] == ERROR_TITLE and "corrupt.mp4" in texts(history[-1])
+    assert history[-1]["metadata"]["title"] == ERROR_TITLE
+    # the upload's own name and the cause; not its place in the conversation nor Gradio's upload folder
+    assert texts(history[-1]).startswith("corrupt.mp4: not a readable video file (")
+    assert "conversation" not in texts(history[-1]) and "/" not in texts(history[-1])
     little_room = CONTROLS[:4] + [32000] + CONTROLS[5:]  # 768 of the 32768 context tokens left for the prompt
     history, _ = chat(client, "hello " * 1000, controls=little_room)
     assert history[-1]["metadata"]["title"] == ERROR_TITLE
@@ -117,7 +120,9 @@ def page(browser, url):
 
 
 def test_browser_question_with_an_image_streams(page, media, tmp_path):
-    assert "RANDOM weights" in page.inner_text("#notice")
+    notice = page.inner_text("#notice")
+    assert "RANDOM weights" in notice and "never closes its <think> block" in notice
+    assert page.is_checked("#thinking input[type=checkbox]") is False  # so the first reply shows text
     lengths = _ask_in_page(page, "What is in this image?", media["image"])
     assert len(lengths) >= 2 and 0 < lengths[0] < lengths[-1], lengths  # the answer appears, then grows
     shot = tmp_path / "demo.png"

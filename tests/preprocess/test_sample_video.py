@@ -1,5 +1,8 @@
 """sample_video on small videos encoded by the tests, each frame's index painted into its pixels."""
 
+import functools
+import http.server
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -120,6 +123,47 @@ def test_errors_name_the_file(tmp_path):
         sample_video(tmp_path / "picture.mp4")
     with pytest.raises(VideoError, match="nothing.avi: video stream has no frames"):
         sample_video(video_files.encode_no_frames(tmp_path / "nothing.avi"))
+
+
+def test_garbled_mp4_is_called_unreadable(tmp_path):
+    data = bytearray(video_files.encode(tmp_path / "clip.mp4", 200, movflags="faststart").read_bytes())
+    start, middle = data.find(b"Lavf"), len(data) // 2  # random bytes from the header's encoder tag to the middle
+    data[start:middle] = b"\xbc" + np.random.default_rng(0).integers(0, 256, middle - start - 1, np.uint8).tobytes()
+    (tmp_path / "garbled.mp4").write_bytes(bytes(data))
+    with pytest.raises(VideoError, match=r"garbled.mp4: unreadable video, the file is corrupt: its header holds text "
+                                         r"that is not UTF-8 \('utf-8' codec can't decode byte 0xbc"):  # fmt: skip
+        sample_video(tmp_path / "garbled.mp4")
+
+
+@pytest.fixture
+def http_folder(tmp_path):
+    """A local HTTP server over tmp_path: its URL."""
+    handler = functools.partial(_QuietHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_video_urls_that_fail_say_the_download_failed(tmp_path, videos, http_folder):
+    (tmp_path / "cfr.mp4").write_bytes((videos / "cfr.mp4").read_bytes())
+    (tmp_path / "notes.mp4").write_text("hello, not a video\n" * 20)
+    assert _painted(sample_video(f"{http_folder}/cfr.mp4", num_frames=4)) == [0, 33, 66, 99]
+    with pytest.raises(VideoError, match=f"could not download video {http_folder}/missing.mp4: HTTP 404"):
+        sample_video(f"{http_folder}/missing.mp4")
+    with pytest.raises(VideoError, match=r"could not download video http://127.0.0.1:9/x.mp4: .*refused"):
+        sample_video("http://127.0.0.1:9/x.mp4")  # nothing listens on port 9
+    with pytest.raises(VideoError, match="could not download video http://host.invalid/x.mp4: "):
+        sample_video("http://host.invalid/x.mp4")  # a name that never resolves, as without network
+    with pytest.raises(VideoError, match=f"{http_folder}/notes.mp4: not a readable video file"):
+        sample_video(f"{http_folder}/notes.mp4")  # downloads, but is no video
 
 
 @pytest.mark.parametrize("name, message", [

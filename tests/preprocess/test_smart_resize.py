@@ -47,8 +47,8 @@ def test_video_rule_equals_transformers(frames):
 
 
 def test_errors_name_the_problem():
-    with pytest.raises(ValueError, match="aspect ratio"):
-        smart_resize(10, 2010)
+    with pytest.raises(ValueError, match=r"aspect ratio 201.0 of a 2010x10 \(width x height\) image"):
+        smart_resize(10, 2010)  # height 10, width 2010
     with pytest.raises(ValueError, match="positive"):
         smart_resize(0, 10)
     with pytest.raises(ValueError, match="at least 2 frames"):

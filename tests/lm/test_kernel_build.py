@@ -1,0 +1,107 @@
+"""The CPU kernels' build cache: keyed by the CPU's instruction set and the sources, built before use."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lm.kernels
+from lm.kernels.build import build_directory, cached_library, cpu_flags, extension_name, isa_tag
+
+REPO = Path(__file__).resolve().parents[2]
+CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+flags\t\t: fpu sse2 avx fma avx2 avx512f avx512bw
+bugs\t\t: spectre_v1
+
+processor\t: 1
+flags\t\t: fpu sse2 avx fma avx2 avx512f avx512bw
+"""
+ARM_CPUINFO = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd sve\nCPU implementer\t: 0x41\n"
+AVX2 = {"fpu", "sse2", "avx", "fma", "avx2"}
+
+
+def test_cpu_flags_are_read_from_cpuinfo():
+    assert cpu_flags(CPUINFO) == AVX2 | {"avx512f", "avx512bw"}
+    assert cpu_flags(ARM_CPUINFO) == {"fp", "asimd", "sve"}
+    assert cpu_flags("processor\t: 0\n") == frozenset()
+    assert cpu_flags()  # this machine (Linux) has a flags line
+
+
+def test_the_extension_name_differs_by_instruction_set():
+    avx2, avx512 = extension_name(AVX2), extension_name(AVX2 | {"avx512f"})
+    assert avx2 != avx512 and "_avx2_" in avx2 and "_avx512_" in avx512
+    assert extension_name(sorted(AVX2, reverse=True)) == avx2  # the order of the flags does not matter
+    assert extension_name(AVX2 | {"avx512_bf16"}) not in (avx2, avx512)  # any flag counts, not just the level
+    assert build_directory(avx2) != build_directory(avx512)
+    assert avx2.isidentifier() and avx2.endswith(extension_name().rsplit("_", 1)[1])  # same sources, same tail
+    assert isa_tag({"fp", "asimd"}, "aarch64").startswith("aarch64_")
+
+
+def test_a_build_for_another_instruction_set_is_not_loaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    other = extension_name(set(cpu_flags()) ^ {"avx512f"})  # this CPU with AVX-512 toggled
+    (tmp_path / other).mkdir()
+    (tmp_path / other / f"{other}.so").write_bytes(b"a build for the other CPU")
+    assert cached_library(other) == tmp_path / other / f"{other}.so"  # found under its own name ...
+    assert cached_library(extension_name()) is None  # ... and not for this CPU, which builds its own
+
+
+@pytest.mark.skipif(lm.kernels.mode() == "0", reason="QWEN35_CPU_KERNELS=0: no kernels")
+def test_the_loaded_kernels_are_this_cpus_build():
+    module = lm.kernels._kernels()
+    assert module is not None, "the CPU kernels did not build (see stderr)"
+    assert Path(module.__file__) == cached_library(extension_name())
+
+
+@pytest.mark.skipif(lm.kernels.mode() == "0", reason="QWEN35_CPU_KERNELS=0: no kernels")
+def test_build_command_reports_the_build():
+    lm.kernels._kernels()  # built (once) in this process, so the command only loads it
+    result = subprocess.run([sys.executable, "-m", "lm.kernels.build"], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"CPU kernels ready: {cached_library(extension_name())}" in result.stderr
+    off = subprocess.run([sys.executable, "-m", "lm.kernels.build"], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "QWEN35_CPU_KERNELS": "0"}, timeout=120)
+    assert off.returncode == 0 and "nothing to build" in off.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not torch.version.cuda, reason="needs a CUDA torch without a GPU")
+def test_the_no_cuda_runtime_warning_is_silenced(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_HOME": str(tmp_path)}
+    plain = subprocess.run([sys.executable, "-c", "import torch.utils.cpp_extension"], capture_output=True,
+                           text=True, env=env, timeout=120)  # fmt: skip
+    assert "No CUDA runtime is found" in plain.stderr  # what torch prints on its own
+    ours = subprocess.run([sys.executable, "-c", "from lm.kernels.build import import_builder; import_builder()"],
+                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert ours.returncode == 0 and "No CUDA runtime" not in ours.stderr, ours.stderr
+
+
+def test_a_failed_build_is_loud(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/bin/false"}
+    command = [sys.executable, "-m", "lm.kernels.build"]  # an empty cache and a compiler that always fails
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 1
+    assert "building CPU kernels (one time, ~" in result.stderr
+    assert "error: the CPU kernels did not build: " in result.stderr and "QWEN35_CPU_KERNELS=0" in result.stderr
+    prebuild = [sys.executable, "-c", "from lm.kernels.build import prebuild; prebuild()"]
+    strict = subprocess.run(prebuild, cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**env, "QWEN35_CPU_KERNELS": "1"})  # fmt: skip
+    assert strict.returncode == 1 and "QWEN35_CPU_KERNELS=1 but the CPU kernels did not build" in strict.stderr
+
+
+def test_a_cached_library_that_does_not_load_is_built_again(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/bin/false"}
+    name = extension_name()
+    (tmp_path / name).mkdir()
+    (tmp_path / name / f"{name}.so").write_bytes(b"half a library: the build was killed while linking")
+    result = subprocess.run([sys.executable, "-m", "lm.kernels.build"], cwd=REPO, capture_output=True, text=True,
+                            env=env, timeout=300)  # fmt: skip
+    assert "do not load" in result.stderr and "building them again" in result.stderr, result.stderr
+    assert "building CPU kernels (one time" in result.stderr  # the rebuild (which this compiler fails)
+    assert not (tmp_path / name / f"{name}.so").exists()
