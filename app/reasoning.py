@@ -43,7 +43,9 @@ class ReasoningStream:
             reasoning, rest = self.buffer[:end], self.buffer[end + len(THINK_END) :]
             self.buffer, self.in_thinking = "", False
             return self._reasoning(reasoning, final=True) + self._content(rest)
-        keep = max(partial_tag_suffix(self.buffer, THINK_END), len(self.buffer) - len(self.buffer.rstrip("\n")))
+        keep = partial_tag_suffix(self.buffer, THINK_END)  # a closing tag may be coming, after newlines
+        before = self.buffer[: len(self.buffer) - keep]
+        keep += len(before) - len(before.rstrip("\n"))
         if not self.started:  # an opening tag may still be coming
             keep = max(keep, partial_tag_suffix(self.buffer.lstrip("\n"), THINK_START))
         done, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
