@@ -215,7 +215,7 @@ def _finished(record: _Record, output: Any, calls: int) -> None:
 
 
 def _event(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False, separators=(",", ":"))}\n\n"
+    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 async def _watch_disconnect(request: Request, generation: Generation) -> None:
