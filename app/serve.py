@@ -120,6 +120,11 @@ async def _chat(request: Request, backend: Backend, config: ServeConfig, record:
     events = generation.events()
     try:
         first = await anext(events, None)  # errors before the first piece still get their status code
+    except ValueError as error:  # the processor refused an input (an image that is not one, ...)
+        watcher.cancel()
+        if isinstance(error, PromptTooLongError):
+            raise PromptTooLongError(job.where(str(error))) from None
+        raise bad_request(job.where(str(error)), "messages") from None
     except BaseException:
         watcher.cancel()
         generation.cancel()
@@ -145,11 +150,12 @@ def _prepare(chat: ChatCompletionRequest, backend: Backend, limits: Limits) -> t
     params = sampling_params(chat, backend.default_params(), backend.max_context, limits)
     thinking, kwargs, tools = template_inputs(chat)
     conversation = build_conversation(chat, limits, tool_note(chat))
+    job = ChatJob(conversation, params, thinking, kwargs, tools, include_reasoning=chat.include_reasoning is not False,
+                  added_messages=len(conversation) - len(chat.messages))  # fmt: skip
     try:
         prompt = backend.render_prompt(conversation, thinking, kwargs)
     except ValueError as error:
-        raise bad_request(str(error), "messages") from None
-    job = ChatJob(conversation, params, thinking, kwargs, tools, include_reasoning=chat.include_reasoning is not False)
+        raise bad_request(job.where(str(error)), "messages") from None
     return job, prompt_opens_thinking(prompt)
 
 

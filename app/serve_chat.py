@@ -4,6 +4,7 @@ sampling parameters, chat template variables (tools, thinking) and the request l
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,18 @@ class ChatJob:
     template_kwargs: dict[str, Any]
     tools: list[dict[str, Any]]
     include_reasoning: bool
+    added_messages: int = 0  # messages put before the request's own (the tool_choice note's system turn)
+
+    def where(self, message: str) -> str:
+        """A processor error's "conversation 0, message M, part P" as the request's "messages[m].content[P]"."""
+        def name(match: re.Match) -> str:
+            index = int(match.group(1)) - self.added_messages
+            return f"messages[{index}]" + (f".content[{match.group(2)}]" if match.group(2) else "")
+
+        return _PROCESSOR_WHERE.sub(name, message)
+
+
+_PROCESSOR_WHERE = re.compile(r"conversation 0, message (\d+)(?:, part (\d+))?")
 
 
 def sampling_params(request: ChatCompletionRequest, defaults: SamplingParams, max_context: int,
