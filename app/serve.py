@@ -267,7 +267,8 @@ def _as_api_error(error: Exception) -> APIError:
     if isinstance(error, ServerBusy):
         return APIError(503, f"the server is busy: {error}", code="server_busy")
     if isinstance(error, PromptTooLongError):
-        return bad_request(f"prompt length limit: {error}", "messages", "context_length_exceeded")
+        detail = str(error).removeprefix("conversation 0: ")
+        return bad_request(f"prompt length limit (--max-model-len): {detail}", "messages", "context_length_exceeded")
     if isinstance(error, ValueError):  # the processor / pipeline refused the input (bad image, video, ...)
         return bad_request(str(error), "messages")
     log.exception("internal error", exc_info=error)

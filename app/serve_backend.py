@@ -132,13 +132,15 @@ class Generation:
             return
         self.started_at = time.perf_counter()
         try:
-            self._generate()
+            last = self._generate()
         except Exception as error:  # handed to the request, which maps it to an error response
-            self._put("error", error)
+            last = ("error", error)
         finally:
             self.backend._end_turn()
+        self._put(*last)  # after the turn ended: whoever sees the end sees the backend free
 
-    def _generate(self) -> None:
+    def _generate(self) -> tuple[str, Any]:
+        """Put each piece; return the last event: ("done", Output) or ("cancelled", None)."""
         job = self.job
         pieces = self.backend.pipeline.stream(job.conversation, job.params, enable_thinking=job.enable_thinking,
                                               template_kwargs=job.template_kwargs)  # fmt: skip
@@ -147,10 +149,9 @@ class Generation:
                 try:
                     piece = next(pieces)
                 except StopIteration as end:
-                    self._put("done", end.value)
-                    return
+                    return "done", end.value
                 self._put("piece", piece)
-            self._put("cancelled", None)
+            return "cancelled", None
         finally:
             pieces.close()
 
