@@ -91,6 +91,10 @@ class AssistantMessage(_Strict):
     tool_calls: list[ToolCallItem] | None = None
     name: str | None = None
     refusal: str | None = None
+    # What the openai client's `message.model_dump()` adds, so a reply can be sent back as history:
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
 
 
 class ToolMessage(_Strict):

@@ -124,6 +124,8 @@ def test_tools_reach_the_template(client):
          "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
     ]  # fmt: skip
+    echoed = [*HI, _create(client, max_tokens=2).choices[0].message.model_dump(), {"role": "user", "content": "And?"}]
+    assert _create(client, messages=echoed, max_tokens=2).usage.prompt_tokens > plain.usage.prompt_tokens
     after = _create(client, messages=history, tools=TOOLS, max_tokens=2)
     assert after.usage.prompt_tokens > with_tools.usage.prompt_tokens + 10  # the call and its <tool_response>
     _refused(client, 400, "not among the tools", tools=TOOLS,
