@@ -101,7 +101,6 @@ class Generation:
         self.backend, self.job, self.loop = backend, job, loop
         self.cancelled = threading.Event()
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self.started_at: float | None = None  # when the generation got its turn (perf_counter)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -130,7 +129,6 @@ class Generation:
                 self._put("error", ServerBusy(f"no generation slot became free within {self.backend.queue_timeout:g} s "
                                               "(--queue-timeout)"))  # fmt: skip
             return
-        self.started_at = time.perf_counter()
         try:
             last = self._generate()
         except Exception as error:  # handed to the request, which maps it to an error response
