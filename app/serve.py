@@ -182,7 +182,10 @@ async def _sse(chat: ChatCompletionRequest, model: str, record: _Record, generat
     """The streamed response: a role chunk, delta chunks, the finish chunk, usage, `[DONE]`."""
     created, rid = shape.now(), record.rid
     with_usage = bool(chat.stream_options and chat.stream_options.include_usage)
-    send = lambda delta, finish=None: _event(shape.chunk(rid, model, created, delta, finish, with_usage=with_usage))  # noqa: E731
+
+    def send(delta: dict[str, Any], finish: str | None = None) -> str:
+        return _event(shape.chunk(rid, model, created, delta, finish, with_usage=with_usage))
+
     item, output = first, None
     try:
         yield send({"role": "assistant", "content": ""})

@@ -77,7 +77,8 @@ def sampling_params(request: ChatCompletionRequest, defaults: SamplingParams, ma
     values = dict(max_new_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
                   top_k=None if request.top_k is None else max(request.top_k, 0), min_p=request.min_p,
                   presence_penalty=request.presence_penalty, repetition_penalty=request.repetition_penalty,
-                  seed=request.seed, stop=[request.stop] if isinstance(request.stop, str) else request.stop)  # fmt: skip
+                  seed=request.seed,
+                  stop=[request.stop] if isinstance(request.stop, str) else request.stop)  # fmt: skip
     if any(not s for s in values["stop"] or []):
         raise bad_request("stop strings must not be empty", "stop")
     chosen = {key: value for key, value in values.items() if value is not None}

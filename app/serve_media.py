@@ -76,8 +76,8 @@ def _download(url: str, policy: MediaPolicy, where: str) -> bytes:
                 if total > policy.max_bytes:
                     raise _too_big(where, policy)
                 if time.monotonic() > deadline:
-                    raise bad_request(f"{where}: downloading {_short(url)} took longer than the "
-                                      f"{policy.fetch_timeout:g} s limit (--media-fetch-timeout)", "messages")  # fmt: skip
+                    limit = f"the {policy.fetch_timeout:g} s limit (--media-fetch-timeout)"
+                    raise bad_request(f"{where}: downloading {_short(url)} took longer than {limit}", "messages")
             return b"".join(chunks)
     except APIError:
         raise

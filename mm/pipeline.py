@@ -73,7 +73,8 @@ class Pipeline:
         return inputs.to(device, self.model.lm.lm_head.weight.dtype)
 
     def generate(self, conversations: Sequence[Conversation], params: SamplingParams | None = None, *,
-                 enable_thinking: bool | None = None, template_kwargs: dict[str, Any] | None = None) -> list[Output]:  # fmt: skip
+                 enable_thinking: bool | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> list[Output]:  # fmt: skip
         """Answers for a batch of conversations, generated together (template_kwargs: more chat template
         variables, e.g. `tools`)."""
         params = params or self.default_params()

@@ -24,7 +24,8 @@ def test_sampling_params_over_the_checkpoint_defaults():
     params = sampling_params(_request(temperature=0.2, top_k=-1, stop="END", seed=3), defaults, 1000, Limits())
     assert (params.temperature, params.top_k, params.top_p, params.stop, params.seed) == (0.2, 0, 0.95, ("END",), 3)
     assert params.presence_penalty == 1.5 and params.max_new_tokens == 500  # half the context of 1000
-    assert sampling_params(_request(max_completion_tokens=7, max_tokens=9), defaults, 1000, Limits()).max_new_tokens == 7
+    both = sampling_params(_request(max_completion_tokens=7, max_tokens=9), defaults, 1000, Limits())
+    assert both.max_new_tokens == 7
     with pytest.raises(APIError, match="stop strings must not be empty"):
         sampling_params(_request(stop=[""]), defaults, 1000, Limits())
     with pytest.raises(APIError, match="only allowed with stream"):

@@ -79,8 +79,8 @@ def test_media_errors(client, media, tmp_path):
     _refused(client, 400, "unreachable", messages=image(f"http://127.0.0.1:{free_port()}/x.png"))
     assert time.monotonic() - start < 10
     _refused(client, 400, "unsupported URL scheme", messages=image("ftp://127.0.0.1/x.png"))
-    video = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": data_uri(media["corrupt"],
-                                                                                             "video/mp4")}}]}]  # fmt: skip
+    corrupt = {"type": "video_url", "video_url": {"url": data_uri(media["corrupt"], "video/mp4")}}
+    video = [{"role": "user", "content": [corrupt]}]
     _refused(client, 400, "not a readable video", messages=video)
 
 
@@ -115,7 +115,8 @@ def test_tools_reach_the_template(client):
     plain = _create(client, max_tokens=2)
     with_tools = _create(client, tools=TOOLS, tool_choice="auto", max_tokens=2)
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 50  # the "# Tools" system block
-    assert _create(client, tools=TOOLS, tool_choice="none", max_tokens=2).usage.prompt_tokens == plain.usage.prompt_tokens
+    without = _create(client, tools=TOOLS, tool_choice="none", max_tokens=2)
+    assert without.usage.prompt_tokens == plain.usage.prompt_tokens
     named = _create(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
                     max_tokens=2)  # fmt: skip
     assert named.usage.prompt_tokens > with_tools.usage.prompt_tokens  # plus the "must call" note

@@ -28,7 +28,8 @@ def test_thinking_then_tool_calls_streamed_token_by_token(tokenizer):
     whole, _ = _deltas([text], in_thinking=True, tools=TOOLS)
     assert calls == 2
     streamed_message, whole_message = message(streamed), message(whole)
-    assert streamed_message["reasoning_content"] == whole_message["reasoning_content"] == "I should look up the weather."
+    reasoning = "I should look up the weather."
+    assert streamed_message["reasoning_content"] == whole_message["reasoning_content"] == reasoning
     assert streamed_message["content"] == whole_message["content"] == "One moment."
     assert [d["tool_calls"][0]["function"] for d in whole if "tool_calls" in d] == \
         [d["tool_calls"][0]["function"] for d in streamed if "tool_calls" in d]
