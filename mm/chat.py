@@ -106,10 +106,14 @@ def _image_source(part: dict[str, Any], where: str) -> Any:
     return source
 
 
-def render(tokenizer: Any, template: str, messages: Conversation, index: int, *,
-           add_generation_prompt: bool, enable_thinking: bool | None) -> str:  # fmt: skip
-    """The prompt text of one conversation, rendered by transformers' chat template machinery."""
-    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+def render(tokenizer: Any, template: str, messages: Conversation, index: int, *, add_generation_prompt: bool,
+           enable_thinking: bool | None, template_kwargs: dict[str, Any] | None = None) -> str:  # fmt: skip
+    """The prompt text of one conversation, rendered by transformers' chat template machinery.
+
+    template_kwargs: more variables for the template (e.g. `tools`, Qwen3.6's `preserve_thinking`)."""
+    kwargs = dict(template_kwargs or {})
+    if enable_thinking is not None:
+        kwargs["enable_thinking"] = enable_thinking
     try:
         text = tokenizer.apply_chat_template(
             messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -68,15 +69,16 @@ class Pipeline:
         values.update(overrides)
         return SamplingParams(**values)
 
-    def prepare(self, conversations: Sequence[Conversation], params: SamplingParams,
-                enable_thinking: bool | None) -> ModelInputs:  # fmt: skip
+    def prepare(self, conversations: Sequence[Conversation], params: SamplingParams, enable_thinking: bool | None,
+                template_kwargs: dict[str, Any] | None = None) -> ModelInputs:  # fmt: skip
         """Processor inputs for a batch, checked against the model's context length."""
         room = self.max_context - params.max_new_tokens
         if room <= 0:
             raise ValueError(f"max_new_tokens={params.max_new_tokens} leaves no room in the model's context "
                              f"of {self.max_context} tokens")  # fmt: skip
         try:
-            inputs = self.processor(list(conversations), enable_thinking=enable_thinking, max_length=room)
+            inputs = self.processor(list(conversations), enable_thinking=enable_thinking, max_length=room,
+                                    template_kwargs=template_kwargs)  # fmt: skip
         except PromptTooLongError as e:
             raise PromptTooLongError(f"{e}: the model's context is {self.max_context} tokens and "
                                      f"max_new_tokens={params.max_new_tokens} are kept for the answer") from e
@@ -84,11 +86,13 @@ class Pipeline:
         return inputs.to(device, self.model.lm.compute_dtype)
 
     def generate(self, conversations: Sequence[Conversation], params: SamplingParams | None = None, *,
-                 enable_thinking: bool | None = None) -> list[Output]:  # fmt: skip
-        """Answers for a batch of conversations, generated together."""
+                 enable_thinking: bool | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> list[Output]:  # fmt: skip
+        """Answers for a batch of conversations, generated together (template_kwargs: more chat template
+        variables, e.g. `tools`)."""
         params = params or self.default_params()
         start = time.perf_counter()
-        inputs = self.prepare(conversations, params, enable_thinking)
+        inputs = self.prepare(conversations, params, enable_thinking, template_kwargs)
         run = _Run(self, inputs, params)
         first = None
         for _ in run.events():
@@ -96,17 +100,26 @@ class Pipeline:
         return run.outputs(start, first or time.perf_counter(), time.perf_counter())
 
     def stream(self, conversation: Conversation, params: SamplingParams | None = None, *,
-               enable_thinking: bool | None = None) -> Iterator[str]:  # fmt: skip
-        """Text pieces of one answer as they are generated (thinking, `</think>`, then the answer)."""
+               enable_thinking: bool | None = None,
+               template_kwargs: dict[str, Any] | None = None) -> Generator[str, None, Output]:  # fmt: skip
+        """Text pieces of one answer as they are generated (thinking, `</think>`, then the answer).
+
+        The pieces join to the whole generated text. The generator's return value (`StopIteration.value`,
+        or the value of `yield from`) is the finished answer's `Output`; closing the generator early
+        stops the generation."""
         params = params or self.default_params()
-        run = _Run(self, self.prepare([conversation], params, enable_thinking), params)
+        start = time.perf_counter()
+        run = _Run(self, self.prepare([conversation], params, enable_thinking, template_kwargs), params)
+        first = None
         for _ in run.events():
+            first = first or time.perf_counter()
             piece = run.new_text(0)
             if piece:
                 yield piece
         piece = run.new_text(0, final=True)
         if piece:
             yield piece
+        return run.outputs(start, first or time.perf_counter(), time.perf_counter())[0]
 
 
 class _Run:

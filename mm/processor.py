@@ -117,18 +117,21 @@ class Processor:
                    preprocess.ImageProcessor.from_pretrained(path), preprocess.VideoProcessor.from_pretrained(path))  # fmt: skip
 
     def __call__(self, conversations: Conversation | Sequence[Conversation], *, enable_thinking: bool | None = None,
-                 add_generation_prompt: bool = True, max_length: int | None = None) -> ModelInputs:  # fmt: skip
+                 add_generation_prompt: bool = True, max_length: int | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> ModelInputs:  # fmt: skip
         """Render, preprocess and tokenize one conversation or a batch of them.
 
         enable_thinking: passed to the chat template (None: the template's default; for Qwen3.5,
-        thinking). max_length: refuse prompts longer than this many tokens.
+        thinking). max_length: refuse prompts longer than this many tokens. template_kwargs: more
+        template variables, e.g. `tools` (OpenAI function schemas) or `preserve_thinking`.
         """
         batch = _as_batch(conversations)
         prompts, media = [], []
         for i, conversation in enumerate(batch):
             messages, items = collect_media(conversation, i)
             prompts.append(render(self.tokenizer, self.chat_template, messages, i, enable_thinking=enable_thinking,
-                                  add_generation_prompt=add_generation_prompt))  # fmt: skip
+                                  add_generation_prompt=add_generation_prompt,
+                                  template_kwargs=template_kwargs))  # fmt: skip
             media.append(items)
         images = self._images([item for items in media for item in items if item.kind == "image"])
         videos, infos = self._videos([item for items in media for item in items if item.kind == "video"])

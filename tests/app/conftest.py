@@ -39,3 +39,17 @@ def media(tmp_path_factory) -> dict[str, Path]:
     corrupt = root / "corrupt.mp4"
     corrupt.write_bytes(b"this is not a video file " * 40)
     return {"image": write_image(root / "image.png"), "video": video, "corrupt": corrupt}
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, media):
+    """`python -m app.serve` on the default model (API key, small limits, local media under the media folder)."""
+    from tests.app.serve_helpers import API_KEY, start_server, stop_server
+
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    args = ["--api-key", API_KEY, "--max-model-len", "4096", "--allowed-local-media-path", str(media["image"].parent),
+            "--max-images", "2", "--max-video-frames", "8", "--max-request-bytes", str(1 << 20),
+            "--media-fetch-timeout", "3"]  # fmt: skip
+    running = start_server(args, log)
+    yield running
+    stop_server(running)

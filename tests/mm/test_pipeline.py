@@ -77,3 +77,21 @@ def test_prompt_longer_than_the_context_is_refused(pipeline):
     small = Pipeline(pipeline.model, pipeline.processor, max_context=64)
     with pytest.raises(PromptTooLongError, match="prompt is 111 tokens.*context is 64 tokens.*max_new_tokens=8"):
         small.generate([_ask("word " * 100)], SamplingParams(max_new_tokens=8))
+
+
+def test_stream_returns_its_output_and_takes_template_variables(pipeline):
+    conv, params = _ask("Say hello."), SamplingParams(max_new_tokens=8)
+    pieces = pipeline.stream(conv, params, enable_thinking=False)
+    text = []
+    while True:
+        try:
+            text.append(next(pieces))
+        except StopIteration as end:
+            output = end.value
+            break
+    [alone] = pipeline.generate([conv], params, enable_thinking=False)
+    assert output.token_ids == alone.token_ids and output.text == alone.text == "".join(text)
+    assert output.prompt_tokens == alone.prompt_tokens and output.completion_tokens == 8
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    [with_tools] = pipeline.generate([conv], params, enable_thinking=False, template_kwargs={"tools": tools})
+    assert with_tools.prompt_tokens > alone.prompt_tokens + 50  # the template's "# Tools" block

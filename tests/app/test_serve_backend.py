@@ -1,0 +1,96 @@
+"""The server's backend on the real default model: one generation at a time in arrival order, a
+503 when the wait for a turn times out, cancellation that frees the turn at once."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from app.serve import ServeConfig, create_app
+from app.serve_backend import Backend, ServerBusy
+from app.serve_chat import ChatJob
+from tests.app.serve_helpers import free_port
+
+
+LONG = "Tell me a very long story"  # greedy, thinking on: the default model loops without an end of turn
+
+
+def _job(pipeline, text: str, tokens: int) -> ChatJob:
+    params = pipeline.default_params("greedy", max_new_tokens=tokens)
+    return ChatJob([{"role": "user", "content": text}], params, None, {}, [], True)
+
+
+def test_turns_in_order_timeout_and_cancel(pipeline):
+    async def scenario():
+        backend = Backend(pipeline, queue_timeout=0.5)
+        long = backend.start(_job(pipeline, LONG, 3000))
+        events = long.events()
+        assert isinstance(await anext(events), str) and backend.running == 1
+        start = time.monotonic()
+        with pytest.raises(ServerBusy, match="--queue-timeout"):
+            await anext(backend.start(_job(pipeline, "Me too?", 2)).events())
+        assert 0.4 < time.monotonic() - start < 5
+        backend.queue_timeout = 60
+        queued = [backend.start(_job(pipeline, f"Number {i}", 2)) for i in range(3)]
+        await asyncio.sleep(0.3)
+        assert backend.waiting == 3
+        order: list[int] = []
+
+        async def drain(i: int) -> None:
+            items = [item async for item in queued[i].events()]
+            assert items[-1].completion_tokens == 2
+            order.append(i)
+
+        tasks = [asyncio.create_task(drain(i)) for i in (2, 0, 1)]
+        long.cancel()
+        rest = [item async for item in events]
+        assert all(isinstance(item, str) for item in rest)  # cancelled: it ends with no Output
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+        assert order == [0, 1, 2]  # first come, first served
+        assert backend.running == 0 and backend.waiting == 0
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture()
+def small_server(pipeline):
+    """The app in this process (uvicorn in a thread) with a 0.5 s queue timeout."""
+    backend = Backend(pipeline, queue_timeout=0.5)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(backend, ServeConfig("default")), host="127.0.0.1", port=port,
+                                           log_level="warning"))  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", backend
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+def test_busy_server_answers_503(small_server):
+    url, backend = small_server
+    long = {"model": "default", "messages": [{"role": "user", "content": LONG}], "max_tokens": 3000,
+            "temperature": 0, "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=long, timeout=60) as reply:
+        assert reply.status_code == 200
+        lines = reply.iter_lines()  # kept: a dropped line iterator would close the connection
+        assert next(lines).startswith("data: ") and backend.running == 1
+        busy = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                          json={"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        assert busy.status_code == 503
+        error = busy.json()["error"]
+        assert error["code"] == "server_busy" and "--queue-timeout" in error["message"]
+    deadline = time.monotonic() + 10
+    while backend.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert backend.running == 0  # the disconnect cancelled the long one
+    fine = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                      json={"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 2
