@@ -320,7 +320,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_server(args: argparse.Namespace) -> tuple[FastAPI, Backend]:
     """Load the model named by `args` and make the app (no serving yet)."""
     path = resolve_model(args.model)  # prints the random-weights notice when no --model
-    load_args = dict(device=args.device, dtype=args.dtype)  # the lead adds weights=args.weights here
+    load_args = dict(device=args.device, dtype=args.dtype, weights=args.weights)
     pipeline = load_pipeline(path, **load_args)
     if args.max_model_len is not None:
         if args.max_model_len < 2:
