@@ -10,11 +10,12 @@ import torch
 from lm import CheckpointReader, WeightError, load_lm_weights
 from lm.formats import policy
 from lm.hugepages import advise_huge_pages
-from lm.weights import heads_tied, use_formats
+from lm.weights import heads_tied, lm_param_name, use_formats
 from vision import load_vision_weights
 
 from .config import ModelConfig, read_config_json
 from .model import VLModel
+from .weight_cache import WeightCache
 
 MTP_PREFIX = "mtp."  # multi-token-prediction head: in real checkpoints, not used here
 
@@ -35,7 +36,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     are for CPU. Every model parameter must be in the checkpoint and every checkpoint tensor must
     be used, except `mtp.*`, which is skipped; otherwise a `WeightError` names the tensor. FP8
     checkpoints (Qwen's block-wise e4m3) are dequantized on reading; other quantization methods
-    are refused by name.
+    are refused by name. Weights converted to int8 / int4 are cached on disk (mm/weight_cache.py),
+    so that the next start of the same checkpoint and spec reads them instead of converting.
     """
     path = Path(path)
     raw = read_config_json(path)
@@ -54,7 +56,13 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     model.lm.init_buffers()
     if tied:
         model.lm.tie_weights()
-    used = load_lm_weights(model.lm, reader, formats)
+    cache = WeightCache(path, weights) if any(f.blocked for f in formats.values()) else None
+    if cache is not None and cache.load_into(model.lm):  # converted at an earlier start
+        used = {k for k in reader.keys() if lm_param_name(k) is not None}
+    else:
+        used = load_lm_weights(model.lm, reader, formats)
+        if cache is not None:
+            cache.save(model.lm)
     if model.visual is not None:
         try:
             used |= load_vision_weights(model.visual, reader)

@@ -276,3 +276,83 @@ def test_fp8_checkpoint_loads_block_dequantized(tmp_path):
             param = params[name]
         assert torch.equal(param, value), name
     assert mm.load_model(path).lm.lm_head.weight.dtype == torch.bfloat16  # auto: an fp8 checkpoint is bf16-class
+
+
+@pytest.fixture(autouse=True)
+def _private_weight_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("QWEN35_CACHE", str(tmp_path / "cache"))  # converted weights stay in the test's folder
+
+
+def test_converted_weights_are_cached_and_rebuilt_when_stale_or_damaged(tmp_path, monkeypatch):
+    from lm.formats import blocks
+    from mm.weight_cache import WeightCache
+
+    path = _bf16_checkpoint(tmp_path, "moe_text", shared_expert_intermediate_size=64)
+    first = mm.load_model(path, weights="int4")
+    entry = WeightCache(path, "int4")
+    assert entry.file.exists()
+    ids = torch.randint(3, 500, (1, 6), generator=torch.Generator().manual_seed(0))
+    calls = []
+    real = blocks._q4_0_blocks
+    monkeypatch.setattr(blocks, "_q4_0_blocks", lambda b: calls.append(1) or real(b))
+    same = (lambda model: rel_err(model(ids), first(ids)) < 1e-6)  # the MoE kernel's thread sums vary in order
+    cached = mm.load_model(path, weights="int4")
+    assert not calls and all(torch.equal(p, q) for p, q in zip(cached.parameters(), first.parameters()))
+    entry = WeightCache(path, "int4")
+    with open(entry.file, "r+b") as f:  # damaged: the data cut short
+        f.truncate(entry.file.stat().st_size - 100)
+    assert same(mm.load_model(path, weights="int4")) and calls  # detected, rebuilt
+    calls.clear()
+    entry.file.write_bytes(b"not a safetensors file")
+    assert same(mm.load_model(path, weights="int4")) and calls
+    calls.clear()
+    (path / "config.json").touch()  # the checkpoint changed: a new key, the old entry goes
+    mm.load_model(path, weights="int4")
+    assert calls and WeightCache(path, "int4").file.exists() and not entry.dir.exists()
+    calls.clear()
+    mm.load_model(path, weights="int4,attention=int8")  # another spec: converted, the one entry replaced
+    assert calls and WeightCache(path, "int4,attention=int8").file.exists()
+    assert not WeightCache(path, "int4").dir.exists()
+
+
+def test_loading_streams_within_the_final_size_plus_the_largest_tensor(tmp_path):
+    """A compact load never holds the float32 model: the peak growth of anonymous memory (sampled;
+    the checkpoint's mmap'd pages belong to the page cache) <= final size + the largest checkpoint
+    tensor (x3: read, in float32 chunks, converted) + a fixed margin (128 MiB: freed temporaries the
+    allocator keeps, lazy imports)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests import tiny
+
+    overrides = dict(hidden_size=512, vocab_size=16384, num_experts=16, moe_intermediate_size=512,
+                     shared_expert_intermediate_size=512, linear_num_value_heads=8, linear_num_key_heads=4,
+                     linear_key_head_dim=64, linear_value_head_dim=64)
+    path = _bf16_checkpoint(tmp_path, "moe_text", **overrides)
+    script = f"""
+import json, math, torch, mm
+from safetensors import safe_open
+with safe_open({str(path / 'model.safetensors')!r}, 'pt') as f:  # bf16: 2 bytes a weight
+    largest = max(math.prod(f.get_slice(k).get_shape()) for k in f.keys()) * 2
+import threading, time
+def rss():  # anonymous memory: the checkpoint's mmap'd pages are the page cache's, not the model's
+    return int(open('/proc/self/status').read().split('RssAnon:')[1].split()[0]) * 1024
+base, peak, done = rss(), [0], []
+def sample():
+    while not done:
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.002)
+thread = threading.Thread(target=sample)
+thread.start()
+model = mm.load_model({str(path)!r}, weights='int4')
+done.append(1)
+thread.join()
+final = sum(p.numel() * p.element_size() for p in model.parameters())
+print(json.dumps(dict(base=base, peak=peak[0], final=final, largest=largest)))
+"""
+    env = dict(__import__("os").environ, QWEN35_CACHE=str(tmp_path / "cache"), QWEN35_CPU_KERNELS="0")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["peak"] - r["base"] <= r["final"] + 3 * r["largest"] + 128 * 2**20, r  # margin: allocator, imports
+    assert r["peak"] - r["base"] < 8 * r["final"], r  # the float32 model would add ~7x the int4 one

@@ -1,0 +1,121 @@
+"""An on-disk cache of a checkpoint's language-model weights in a compact storage format.
+
+Quantizing a 35B checkpoint to int4 reads and converts ~70 GB of bf16 tensors; the result is ~19 GB.
+`load_model` keeps that result in `$QWEN35_CACHE/weights/<key>/lm.safetensors` (default
+`~/.cache/qwen35-vl`), one safetensors file of our parameter names in their storage dtypes, so the
+next start reads the converted tensors instead of converting again. The key hashes the checkpoint's
+weight files (names, sizes, modification times), its config.json, the weights spec and
+FORMAT_VERSION, so a changed checkpoint or spec gets a new entry; entries of the same checkpoint
+with another key are deleted when a new one is written. A cache file is trusted only when its
+header parses and it holds exactly the model's parameters with their shapes and dtypes, its size
+equals the size recorded beside it, and its marker file says it was written completely; otherwise
+it is rebuilt (said on stderr).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+FORMAT_VERSION = 1  # bump when a format's layout or the conversion changes
+FILE, META = "lm.safetensors", "meta.json"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("QWEN35_CACHE") or Path.home() / ".cache" / "qwen35-vl") / "weights"
+
+
+class WeightCache:
+    """The cache entry of one (checkpoint, weights spec)."""
+
+    def __init__(self, checkpoint: Path, weights: str):
+        self.checkpoint = checkpoint.resolve()
+        files = sorted(p for p in self.checkpoint.iterdir() if p.name.endswith((".safetensors", ".json")))
+        described = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+        text = "\n".join([str(self.checkpoint), weights, str(FORMAT_VERSION), *described])
+        self.key = hashlib.sha256(text.encode()).hexdigest()[:16]
+        self.origin = hashlib.sha256(str(self.checkpoint).encode()).hexdigest()[:8]  # same checkpoint, any key
+        self.dir = cache_root() / f"{self.origin}-{self.key}"
+        self.weights = weights
+
+    @property
+    def file(self) -> Path:
+        return self.dir / FILE
+
+    def load_into(self, lm: nn.Module) -> bool:
+        """Copy the cached tensors into `lm`'s (allocated) parameters; False when there is no
+        complete, matching entry (a damaged one is reported and removed)."""
+        if not (self.dir / META).exists():
+            return False
+        params = dict(lm.named_parameters())
+        try:
+            meta = json.loads((self.dir / META).read_text())
+            if meta.get("size") != self.file.stat().st_size or meta.get("key") != self.key:
+                raise ValueError("its size or key differs from the record beside it")
+            with safe_open(str(self.file), framework="pt") as f:
+                if set(f.keys()) != set(params):
+                    raise ValueError("it holds other tensors than this model's")
+                for name, param in params.items():
+                    t = f.get_slice(name)
+                    if tuple(t.get_shape()) != tuple(param.shape) or _DTYPES.get(t.get_dtype()) != param.dtype:
+                        raise ValueError(f"tensor {name} has another shape or dtype")
+                with torch.no_grad():
+                    for name, param in params.items():
+                        param.copy_(f.get_tensor(name))
+        except (OSError, ValueError, SafetensorError) as error:
+            print(f"[qwen35] the converted-weights cache {self.dir} is unusable ({error}); converting again",
+                  file=sys.stderr)
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return False
+        return True
+
+    def save(self, lm: nn.Module) -> None:
+        """Write `lm`'s parameters as this entry (atomically: a marker is written last) and drop
+        older entries of the same checkpoint. A failure to write is said, not raised."""
+        tmp = self.dir.with_name(self.dir.name + ".tmp")
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            write_safetensors(tmp / FILE, {n: p.data for n, p in lm.named_parameters()})
+            size = (tmp / FILE).stat().st_size
+            for old in cache_root().glob(f"{self.origin}-*"):
+                if old != tmp:
+                    shutil.rmtree(old, ignore_errors=True)
+            tmp.rename(self.dir)
+            (self.dir / META).write_text(json.dumps(dict(key=self.key, size=size, checkpoint=str(self.checkpoint),
+                                                         weights=self.weights, version=FORMAT_VERSION)))
+            print(f"[qwen35] converted weights cached in {self.dir} ({size / 2**30:.2f} GiB)", file=sys.stderr)
+        except OSError as error:
+            shutil.rmtree(tmp, ignore_errors=True)
+            print(f"[qwen35] could not cache the converted weights in {self.dir}: {error}", file=sys.stderr)
+
+
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "U8": torch.uint8, "F16": torch.float16}
+_CODES = {v: k for k, v in _DTYPES.items()}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A safetensors file written one tensor at a time from the tensors' own memory (the library's
+    save_file first makes a bytes copy of every tensor: twice the model in memory)."""
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = dict(dtype=_CODES[t.dtype], shape=list(t.shape), data_offsets=[offset, offset + size])
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in tensors.values():
+            f.write(memoryview(t.detach().contiguous().view(torch.uint8).reshape(-1).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
