@@ -1,0 +1,142 @@
+"""Qwen3.5-35B-A3B on a 24 GiB CPU machine: the full model (real config, 40 layers, the vision tower)
+with random weights, built straight in a compact storage format.
+
+    python -m bench.big [--weights int4] [--cache-file PATH] [--new-tokens 8]
+    python -m bench.big --from-cache PATH          # the load time of a cache file written by the above
+
+No 70 GB bf16 checkpoint is written: the parameters get the storage of their format (lm/formats) on
+the meta device and are filled with random quants (fp16 scales of a real-like size) in place, so the
+float32 model never exists. Prints peak RSS, decode tok/s at batch 1 and 8, prefill tok/s and the time
+to the first token of a 1,000-token prompt. With --cache-file the LM weights are written as the
+converted-weights cache would hold them, and `--from-cache` times reading that file into a fresh
+model (as the second start of a real checkpoint does). The streaming load of a real-shape checkpoint
+slice is measured by `python -m bench.big --slice DIR` (e.g. `make_model.py --shape slice35b --layers 4`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from lm import SamplingParams, stream_generate
+from lm.formats import policy
+from lm.weights import heads_tied, use_formats
+from mm.config import ModelConfig
+from mm.model import VLModel
+from mm.weight_cache import write_safetensors
+
+CONFIG = Path(__file__).resolve().parents[1] / "tests/data/reference/qwen3.5-35b-a3b.config.json"
+
+
+def rss_gib(field: str = "VmHWM") -> float:
+    """Peak (VmHWM) or current (VmRSS) resident memory of this process, GiB."""
+    return int(open("/proc/self/status").read().split(field + ":")[1].split()[0]) / 2**20
+
+
+def build(weights: str) -> tuple[VLModel, dict]:
+    """The full model in its storage formats, parameters allocated but not yet filled; and the
+    format of each compact LM parameter."""
+    config = ModelConfig.from_hf(json.loads(CONFIG.read_text()))
+    with torch.device("meta"):
+        model = VLModel(config)
+    shapes = {n: tuple(p.shape) for n, p in model.lm.named_parameters(remove_duplicate=False)}
+    formats = policy.plan(shapes, weights, torch.bfloat16)
+    use_formats(model.lm, formats)
+    tied = heads_tied(model.lm)
+    model = model.to_empty(device="cpu")
+    model.lm.init_buffers()
+    if tied:
+        model.lm.tie_weights()
+    return model.eval().requires_grad_(False), {f"lm.{n}": f for n, f in formats.items()}
+
+
+@torch.no_grad()
+def fill_random(model: VLModel, formats: dict) -> None:
+    """Random weights with a standard deviation of 0.6 / sqrt(K), as make_model.py's, written in
+    place in each parameter's storage format (block formats: uniform quants and one fp16 scale)."""
+    g = torch.Generator().manual_seed(0)
+    for name, p in model.named_parameters():
+        fmt = formats.get(name)
+        if fmt is not None and fmt.blocked:
+            k = fmt.inputs(p.shape[-1])
+            blocks = p.view(-1, fmt.block_bytes)
+            blocks[:, 2:].random_(0, 256, generator=g)
+            spread = 74.0 if fmt.name == "int8" else 4.6  # std of uniform int8 quants / of q - 8
+            blocks[:, :2] = torch.tensor([0.6 / k**0.5 / spread], dtype=torch.float16).view(torch.uint8)
+        elif p.dim() == 1:
+            p.normal_(0, 0.1, generator=g)
+        else:
+            p.normal_(0, 0.6 / p.shape[-1] ** 0.5, generator=g)
+
+
+def timed_decode(model: VLModel, batch: int, new: int) -> float:
+    ids = torch.randint(0, 1000, (batch, 4))
+    stamps = [time.perf_counter() for e in stream_generate(model.lm, ids, SamplingParams(max_new_tokens=new))
+              if e.row == 0]
+    return batch * (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--weights", default="int4")
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=1000)
+    parser.add_argument("--cache-file", type=Path, default=None)
+    parser.add_argument("--from-cache", type=Path, default=None)
+    parser.add_argument("--slice", type=Path, default=None, help="a real-shape checkpoint slice: its streaming load")
+    args = parser.parse_args()
+    if args.slice:
+        return slice_load(args.slice, args.weights)
+    start = time.perf_counter()
+    model, formats = build(args.weights)
+    if args.from_cache:
+        from safetensors import safe_open
+
+        with safe_open(str(args.from_cache), framework="pt") as f, torch.no_grad():
+            for n, p in model.lm.named_parameters():
+                p.copy_(f.get_tensor(n))
+        print(f"LM weights read from {args.from_cache} ({args.from_cache.stat().st_size / 2**30:.2f} GiB) in "
+              f"{time.perf_counter() - start:.1f} s; peak RSS {rss_gib():.2f} GiB")
+        return
+    model.visual.float()
+    fill_random(model, formats)
+    lm_bytes = sum(p.numel() * p.element_size() for p in model.lm.parameters())
+    vis_bytes = sum(p.numel() * p.element_size() for p in model.visual.parameters())
+    print(f"built in {time.perf_counter() - start:.1f} s: LM {lm_bytes / 2**30:.2f} GiB ({args.weights}), vision "
+          f"{vis_bytes / 2**30:.2f} GiB (float32); RSS {rss_gib('VmRSS'):.2f} GiB", flush=True)
+    for batch in (1, 8):
+        print(f"decode batch {batch}: {timed_decode(model, batch, args.new_tokens):.2f} tok/s; "
+              f"peak RSS {rss_gib():.2f} GiB", flush=True)
+    ids = torch.randint(0, 1000, (1, args.prompt))
+    start = time.perf_counter()
+    next(stream_generate(model.lm, ids, SamplingParams(max_new_tokens=1)))
+    ttft = time.perf_counter() - start
+    print(f"prefill {args.prompt} tokens: time to first token {ttft:.1f} s ({args.prompt / ttft:.1f} tok/s); "
+          f"peak RSS {rss_gib():.2f} GiB", flush=True)
+    if args.cache_file:
+        start = time.perf_counter()
+        write_safetensors(args.cache_file, {n: p.data for n, p in model.lm.named_parameters()})
+        print(f"wrote {args.cache_file} in {time.perf_counter() - start:.1f} s")
+
+
+def slice_load(path: Path, weights: str) -> None:
+    """Streaming load of a real-shape slice: time, peak RSS growth, and the per-layer figures."""
+    import mm
+
+    base = rss_gib("VmRSS")
+    start = time.perf_counter()
+    model = mm.load_model(path, weights=weights)
+    seconds = time.perf_counter() - start
+    layers = model.config.text.num_hidden_layers
+    final = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+    print(f"{path}: {layers} layers loaded as {weights} in {seconds:.1f} s ({seconds / layers:.1f} s per layer; x40 = "
+          f"{seconds / layers * 40:.0f} s); final size {final:.2f} GiB; peak RSS {rss_gib():.2f} GiB "
+          f"(+{rss_gib() - base:.2f} over the start, mmap'd checkpoint pages included)")
+
+
+if __name__ == "__main__":
+    main()
