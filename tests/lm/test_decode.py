@@ -18,6 +18,19 @@ def _decode_logits(model, ids, steps: int) -> torch.Tensor:
     return torch.cat(out, 1)
 
 
+def _count_fast_steps(monkeypatch) -> list[bool]:
+    """A list that records, for each decode step from now on, whether it took the fast path."""
+    used, fast = [], lm.model.decode_layers
+
+    def counting(*args):
+        out = fast(*args)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(lm.model, "decode_layers", counting)
+    return used
+
+
 @pytest.mark.parametrize("kind,batch", [("moe_text", 3), ("dense_vl", 3), ("moe_text", 6), ("dense_vl", 8)])
 def test_fast_decode_equals_reference_layers(checkpoints, monkeypatch, kind, batch):
     """Batches of 6 and 8 stream panel copies of the mixers', dense MLPs' and LM head's weights."""
@@ -26,15 +39,7 @@ def test_fast_decode_equals_reference_layers(checkpoints, monkeypatch, kind, bat
     monkeypatch.setattr(lm.kernels, "MIN_WEIGHT_ELEMENTS", 0)  # the tiny weights take the kernels too
     monkeypatch.setattr(lm.kernels, "PANEL_ROWS", 5)  # panels on whatever this CPU's default
     ids = torch.randint(3, 500, (batch, 14), generator=torch.Generator().manual_seed(11))
-    used = []
-    fast = lm.model.decode_layers
-
-    def counting(*args):
-        out = fast(*args)
-        used.append(out is not None)
-        return out
-
-    monkeypatch.setattr(lm.model, "decode_layers", counting)
+    used = _count_fast_steps(monkeypatch)
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
     ours = _decode_logits(model, ids, steps=6)
     assert used == [True] * 6  # every decode step took the fast path
@@ -76,15 +81,7 @@ def test_fast_decode_takes_any_head_ratio(monkeypatch, heads, kv):
         lm = lm_model
 
     ids = torch.randint(3, 500, (2, 9), generator=g)
-    used = []
-    fast = lm.model.decode_layers
-
-    def counting(*args):
-        out = fast(*args)
-        used.append(out is not None)
-        return out
-
-    monkeypatch.setattr(lm.model, "decode_layers", counting)
+    used = _count_fast_steps(monkeypatch)
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
     ours = _decode_logits(Wrapped, ids, steps=4)
     assert used == [True] * 4
