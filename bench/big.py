@@ -124,18 +124,43 @@ def main() -> None:
 
 
 def slice_load(path: Path, weights: str) -> None:
-    """Streaming load of a real-shape slice: time, peak RSS growth, and the per-layer figures."""
-    import mm
+    """Streaming load of a real-shape slice, twice (converting, then from the converted-weights
+    cache): time and the peak of anonymous memory (sampled; the checkpoint's mmap'd pages are page
+    cache) against the final size and the largest checkpoint tensor."""
+    import math
+    import os
+    import tempfile
+    import threading
 
-    base = rss_gib("VmRSS")
-    start = time.perf_counter()
-    model = mm.load_model(path, weights=weights)
-    seconds = time.perf_counter() - start
-    layers = model.config.text.num_hidden_layers
-    final = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
-    print(f"{path}: {layers} layers loaded as {weights} in {seconds:.1f} s ({seconds / layers:.1f} s per layer; x40 = "
-          f"{seconds / layers * 40:.0f} s); final size {final:.2f} GiB; peak RSS {rss_gib():.2f} GiB "
-          f"(+{rss_gib() - base:.2f} over the start, mmap'd checkpoint pages included)")
+    import mm
+    from safetensors import safe_open
+
+    largest = 0
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            largest = max([largest, *(math.prod(f.get_slice(k).get_shape()) * 2 for k in f.keys())])
+    os.environ["QWEN35_CACHE"] = tempfile.mkdtemp(prefix="qwen35-bench-")  # a cold cache: the first load converts
+    for run in ("converting", "from the cache"):
+        base, peak, done = rss_gib("RssAnon"), [0.0], []
+
+        def sample():
+            while not done:
+                peak[0] = max(peak[0], rss_gib("RssAnon"))
+                time.sleep(0.005)
+
+        thread = threading.Thread(target=sample)
+        thread.start()
+        start = time.perf_counter()
+        model = mm.load_model(path, weights=weights)
+        seconds = time.perf_counter() - start
+        done.append(1)
+        thread.join()
+        layers = model.config.text.num_hidden_layers
+        final = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+        print(f"{path.name}, {run}: {layers} layers as {weights} in {seconds:.1f} s; final size {final:.2f} GiB; "
+              f"peak anonymous memory +{peak[0] - base:.2f} GiB (final + largest tensor {final + largest / 2**30:.2f})",
+              flush=True)
+        del model
 
 
 if __name__ == "__main__":
