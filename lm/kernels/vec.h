@@ -195,11 +195,7 @@ inline void block(const float* x, int64_t M, int64_t ldx, const Rows& W, int64_t
     return;
   }
   switch (W.fmt) {
-#ifdef QWEN35_F32_GENERIC
-    case F32: block_fmt<TraitsF32>(x, M, ldx, W, K, n0, n1, y, ldy); break;
-#else
     case F32: block(x, M, ldx, W.f32(), K, n0, n1, y, ldy); break;
-#endif
     case BF16: block_fmt<TraitsBF16>(x, M, ldx, W, K, n0, n1, y, ldy); break;
     case Q8_0: block_fmt<TraitsQ8_0>(x, M, ldx, W, K, n0, n1, y, ldy); break;
     default: block_fmt<TraitsQ4_0>(x, M, ldx, W, K, n0, n1, y, ldy); break;
