@@ -24,8 +24,8 @@ import torch
 
 from lm import SamplingParams, stream_generate
 from lm.formats import policy
-from lm.weights import heads_tied, use_formats
 from mm.config import ModelConfig
+from mm.loading import allocate
 from mm.model import VLModel
 from mm.weight_cache import write_safetensors
 
@@ -45,12 +45,7 @@ def build(weights: str) -> tuple[VLModel, dict]:
         model = VLModel(config)
     shapes = {n: tuple(p.shape) for n, p in model.lm.named_parameters(remove_duplicate=False)}
     formats = policy.plan(shapes, weights, torch.bfloat16)
-    use_formats(model.lm, formats)
-    tied = heads_tied(model.lm)
-    model = model.to_empty(device="cpu")
-    model.lm.init_buffers()
-    if tied:
-        model.lm.tie_weights()
+    model = allocate(model, formats, "cpu")
     return model.eval().requires_grad_(False), {f"lm.{n}": f for n, f in formats.items()}
 
 
@@ -102,7 +97,6 @@ def main() -> None:
         print(f"LM weights read from {args.from_cache} ({args.from_cache.stat().st_size / 2**30:.2f} GiB) in "
               f"{time.perf_counter() - start:.1f} s; peak RSS {rss_gib():.2f} GiB")
         return
-    model.visual.float()
     fill_random(model, formats)
     lm_bytes = sum(p.numel() * p.element_size() for p in model.lm.parameters())
     vis_bytes = sum(p.numel() * p.element_size() for p in model.visual.parameters())

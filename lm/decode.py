@@ -12,8 +12,9 @@ the fused MoE block (or a SwiGLU); the residual adds; the final norm.
 It applies to float32 CPU activations with the kernels on (`QWEN35_CPU_KERNELS`), at most
 `kernels.MAX_ROWS` rows, DeltaNet value head dims divisible by 16 and grouped experts, with weights
 in any storage format (lm/formats) and any query/KV head ratio; otherwise `decode_layers` returns
-None (saying once on stderr why, when the reason is the model's shape) and the caller runs its layers. (Every norm of the model is built with the config's rms_norm_eps, which the
-plan takes once.) tests/lm/test_decode.py checks it against the reference path.
+None (saying once on stderr why, when the reason is the model's shape) and the caller runs its
+layers. (Every norm of the model is built with the config's rms_norm_eps, which the plan takes
+once.) tests/lm/test_decode.py checks it against the reference path.
 """
 
 from __future__ import annotations
@@ -29,15 +30,16 @@ from .linear import Linear
 from .moe import SparseMoeBlock
 
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Cache -> DecodePlan or None (n/a)
-_said: set[str] = set()
+_said: set[str] = set()  # the reasons already said by _step_aside
+_NO_TENSOR, _NO_MASK = torch.empty(0), torch.empty(0, dtype=torch.bool)
 
 
 def _step_aside(reason: str) -> None:
     """No plan for this model: say why, once per reason."""
     if reason not in _said:
         _said.add(reason)
-        print(f"[qwen35] the one-call CPU decode step does not apply ({reason}); decoding layer by layer", file=sys.stderr)
-_NO_TENSOR, _NO_MASK = torch.empty(0), torch.empty(0, dtype=torch.bool)
+        print(f"[qwen35] the one-call CPU decode step does not apply ({reason}); decoding layer by layer",
+              file=sys.stderr)
 
 
 def decode_layers(model, x: torch.Tensor, cache: Cache, rope, attn_mask) -> torch.Tensor | None:

@@ -29,6 +29,9 @@ from torch import nn
 from .formats import Format
 
 INDEX_FILE = "model.safetensors.index.json"
+# safetensors dtype codes of the tensors this project reads and writes
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                      "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8}
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -90,8 +93,7 @@ class CheckpointReader:
     def dtype(self, name: str) -> torch.dtype:
         """The stored dtype of a tensor, without reading it."""
         code = self._open(self._file_of[name]).get_slice(name).get_dtype()
-        return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                "F8_E4M3": torch.float8_e4m3fn}.get(code, torch.float32)
+        return SAFETENSORS_DTYPES.get(code, torch.float32)
 
     def get(self, name: str) -> torch.Tensor:
         tensor = self._read(name)

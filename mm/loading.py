@@ -49,13 +49,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         model = VLModel(config)
     model = model.to(dtype=dtype)
     formats = _formats(model, reader, weights, device, dtype)
-    use_formats(model.lm, formats)
-    tied = heads_tied(model.lm)
-    model = model.to_empty(device=device)
-    advise_huge_pages(model.parameters())  # before the first write: decode streams these pages
-    model.lm.init_buffers()
-    if tied:
-        model.lm.tie_weights()
+    model = allocate(model, formats, device)
     cache = WeightCache(path, weights) if any(f.blocked for f in formats.values()) else None
     if cache is not None and cache.load_into(model.lm):  # converted at an earlier start
         used = {k for k in reader.keys() if lm_param_name(k) is not None}
@@ -74,6 +68,19 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         raise WeightError(f"checkpoint has {len(unexpected)} tensor(s) this model does not use: {shown}")
     model.generation_config = _generation_config(path)
     return model.eval().requires_grad_(False)
+
+
+def allocate(model: VLModel, formats: dict, device: str | torch.device) -> VLModel:
+    """A model built on the meta device, allocated on `device` with each LM parameter named in
+    `formats` in the storage of its format (lm/formats), the rest in the model's dtype; unfilled."""
+    use_formats(model.lm, formats)
+    tied = heads_tied(model.lm)
+    model = model.to_empty(device=device)
+    advise_huge_pages(model.parameters())  # before the first write: decode streams these pages
+    model.lm.init_buffers()
+    if tied:
+        model.lm.tie_weights()
+    return model
 
 
 def _formats(model: VLModel, reader: CheckpointReader, weights: str, device, dtype: torch.dtype) -> dict:

@@ -25,6 +25,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from lm.weights import SAFETENSORS_DTYPES
+
 FORMAT_VERSION = 1  # bump when a format's layout or the conversion changes
 FILE, META = "lm.safetensors", "meta.json"
 
@@ -65,7 +67,8 @@ class WeightCache:
                     raise ValueError("it holds other tensors than this model's")
                 for name, param in params.items():
                     t = f.get_slice(name)
-                    if tuple(t.get_shape()) != tuple(param.shape) or _DTYPES.get(t.get_dtype()) != param.dtype:
+                    dtype = SAFETENSORS_DTYPES.get(t.get_dtype())
+                    if tuple(t.get_shape()) != tuple(param.shape) or dtype != param.dtype:
                         raise ValueError(f"tensor {name} has another shape or dtype")
                 with torch.no_grad():
                     for name, param in params.items():
@@ -98,8 +101,7 @@ class WeightCache:
             print(f"[qwen35] could not cache the converted weights in {self.dir}: {error}", file=sys.stderr)
 
 
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "U8": torch.uint8, "F16": torch.float16}
-_CODES = {v: k for k, v in _DTYPES.items()}
+_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:

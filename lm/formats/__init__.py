@@ -79,11 +79,6 @@ def format_of(w: torch.Tensor, k: int) -> Format:
     raise ValueError(f"weight storage {w.dtype} {list(w.shape)} is no known format for rows of {k} inputs")
 
 
-def is_compact(w: torch.Tensor, compute_dtype: torch.dtype) -> bool:
-    """Whether `w` is stored in another format than the activations' dtype (it needs converting)."""
-    return w.dtype != compute_dtype
-
-
 def to_float(w: torch.Tensor, k: int) -> torch.Tensor:
     """Weight storage [..., row] -> float32 [..., K]; a float32 weight is returned as it is.
     Through the C++ kernel when the CPU kernels are on (one pass, all threads), else the reference."""

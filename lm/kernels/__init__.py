@@ -143,15 +143,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     through the weight's panel copy. A compact weight with more rows (prefill) or without the
     kernels is converted to float32 for this call."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if weight.dtype != x.dtype:  # a compact format
-        if 0 < rows <= MAX_ROWS and (k := _fusable(x)) is not None:
-            y = k.small_m_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, _NO_PANELS)
-            y = y if bias is None else y + bias
-            return y.view(*x.shape[:-1], weight.shape[0])
-        from ..formats import to_float
+    compact = weight.dtype != x.dtype  # a compact format (lm/formats): F.linear cannot read it
+    takes_kernel = 0 < rows <= MAX_ROWS if compact else rows > 0 and _eligible(rows, weight)
+    if not takes_kernel or (k := _fusable(x)) is None:
+        if compact:
+            from ..formats import to_float
 
-        return F.linear(x, to_float(weight, x.shape[-1]).to(x.dtype), bias)
-    if rows == 0 or not _eligible(rows, weight) or (k := _fusable(x)) is None:
+            weight = to_float(weight, x.shape[-1]).to(x.dtype)
         return F.linear(x, weight, bias)
     decode = x.dim() == 3 and x.shape[1] == 1 and rows >= panel_rows()
     y = k.small_m_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, panels(weight) if decode else _NO_PANELS)
