@@ -21,6 +21,10 @@ def attention_mask_for(cache: Cache, num_tokens: int) -> torch.Tensor | None:
     Queries always see their own position, so a left-padding query never has an empty row.
     """
     start, end = cache.length, cache.length + num_tokens
+    if cache.lengths is not None:  # ragged: row b's one query sees its own positions [0, lengths[b]]
+        if bool((cache.lengths == start).all()):
+            return None
+        return (torch.arange(end, device=cache.lengths.device)[None, :] <= cache.lengths[:, None])[:, None, None]
     keys = cache.key_mask[:, :end]  # [B, L]
     if bool(keys.all()) and (start == 0 or num_tokens == 1):
         return None

@@ -1,8 +1,14 @@
 """Decoding state of the hybrid decoder: one owner (`Cache`), each layer receives its own slot.
 
 Full-attention layers keep a preallocated KV cache that grows with the sequence; Gated DeltaNet
-layers keep a fixed-size conv window and recurrent state whatever the length. All rows of a batch
-share one write position: prompts are left-padded, and `key_mask` records which positions are real.
+layers keep a fixed-size conv window and recurrent state whatever the length.
+
+Two ways to share a cache between rows:
+- one write position (`length`) for all rows: prompts are left-padded, and `key_mask` records which
+  positions are real (`stream_generate`'s static batches);
+- ragged (`lengths`, one per row): each row has its own length and no padding, for the serving
+  engine's decode steps, whose rows joined at different times (lm/slots.py builds these views over
+  its per-slot storage). A ragged cache takes one token per row per forward.
 """
 
 from __future__ import annotations
@@ -24,6 +30,12 @@ class KVSlot:
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write `k, v` [B, KV, T, D] at the cache's write position; return all keys/values so far."""
+        if self.cache.lengths is not None:  # ragged: row b writes its token at its own length
+            rows, at = torch.arange(k.shape[0], device=k.device), self.cache.lengths
+            self.k[rows, :, at] = k[:, :, 0]
+            self.v[rows, :, at] = v[:, :, 0]
+            end = self.cache.length + 1
+            return self.k[:, :, :end], self.v[:, :, :end]
         start = self.cache.length
         end = start + k.shape[2]
         self.k[:, :, start:end] = k
@@ -43,7 +55,8 @@ class Cache:
 
     def __init__(self, config: TextConfig, batch: int, max_len: int, *, device, dtype: torch.dtype):
         self.max_len = max_len
-        self.length = 0  # positions written so far (shared by all rows)
+        self.length = 0  # positions written so far (shared by all rows; the longest row when ragged)
+        self.lengths: torch.Tensor | None = None  # int64 [B] when ragged (see `ragged`)
         self.key_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.slots: dict[int, KVSlot | LinearSlot] = {}
         kv_shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
@@ -60,12 +73,33 @@ class Cache:
                 state = torch.zeros(state_shape, device=device, dtype=torch.float32)
                 self.slots[i] = LinearSlot(conv, state)
 
+    @classmethod
+    def ragged(cls, kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
+               linear: dict[int, tuple[torch.Tensor, torch.Tensor]], lengths: torch.Tensor, max_len: int) -> "Cache":
+        """A ragged cache over existing storage (views, written in place): `kv` maps each full-attention
+        layer to its (k, v) [B, KV, max_len, D], `linear` each DeltaNet layer to its (conv, recurrent);
+        `lengths` [B] int64 is each row's count of positions written, advanced in place by each forward."""
+        self = cls.__new__(cls)
+        self.max_len, self.lengths = max_len, lengths
+        self.length = int(lengths.max()) if lengths.numel() else 0
+        self.key_mask = torch.ones(lengths.shape[0], 0, dtype=torch.bool, device=lengths.device)
+        self.slots = {i: KVSlot(self, k, v) for i, (k, v) in kv.items()}
+        self.slots.update({i: LinearSlot(conv, state) for i, (conv, state) in linear.items()})
+        self.slots = dict(sorted(self.slots.items()))
+        return self
+
     @property
     def batch(self) -> int:
         return self.key_mask.shape[0]
 
     def begin(self, attention_mask: torch.Tensor | None, num_tokens: int) -> None:
         """Reserve `num_tokens` positions for the next forward; `attention_mask` [B, T] marks real tokens."""
+        if self.lengths is not None:
+            if num_tokens != 1 or attention_mask is not None:
+                raise ValueError("a ragged cache takes one token per row and no padding")
+            if self.length + 1 > self.max_len:
+                raise CacheOverflowError(f"a row of {self.length + 1} tokens does not fit in max_len={self.max_len}")
+            return
         end = self.length + num_tokens
         if end > self.max_len:
             raise CacheOverflowError(
@@ -76,6 +110,8 @@ class Cache:
         self.key_mask[:, self.length : end] = real
 
     def advance(self, num_tokens: int) -> None:
+        if self.lengths is not None:
+            self.lengths += num_tokens
         self.length += num_tokens
 
     def keep(self, rows: torch.Tensor) -> None:

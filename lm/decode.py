@@ -57,8 +57,12 @@ def decode_layers(model, x: torch.Tensor, cache: Cache, rope, attn_mask) -> torc
     for slot in cache.slots.values():
         states += (slot.k, slot.v) if isinstance(slot, KVSlot) else (slot.conv, slot.recurrent)
     cos, sin = rope  # [B, 1, R]
-    keep = _NO_MASK if attn_mask is None else attn_mask.reshape(x.shape[0], -1)
-    return plan.run(x[:, 0], states, cos[:, 0], sin[:, 0], keep, cache.length)[:, None]
+    if cache.lengths is not None:  # ragged rows: each writes at and attends up to its own length
+        keep, pos = _NO_MASK, cache.lengths.contiguous()
+    else:
+        keep = _NO_MASK if attn_mask is None else attn_mask.reshape(x.shape[0], -1)
+        pos = torch.full((x.shape[0],), cache.length, dtype=torch.long)
+    return plan.run(x[:, 0], states, cos[:, 0], sin[:, 0], keep, pos)[:, None]
 
 
 def build_plan(k, model, rows: int):

@@ -38,6 +38,8 @@ class TextModel(nn.Module):
 def text_positions(cache: Cache, num_tokens: int) -> torch.Tensor:
     """Positions [3, B, T] of the next tokens when all three mRoPE rows are equal: the count of real
     tokens before each one (left padding does not shift positions; padding itself gets 0)."""
+    if cache.lengths is not None:  # ragged (one token per row): its position is the row's length
+        return cache.lengths[None, :, None].expand(3, -1, num_tokens)
     start, end = cache.length, cache.length + num_tokens
     pos = (cache.key_mask[:, :end].long().cumsum(-1) - 1)[:, start:end].clamp(min=0)
     return pos[None].expand(3, -1, -1)

@@ -200,6 +200,9 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int):
     return out.view(b, h, t, dv), new.view(b, h, dk, dv)
 
 
+_ALL_KEYS = torch.empty(0, dtype=torch.long)  # decode_attention's lengths: every row attends over all L keys
+
+
 def decode_attention(q, k, v, mask, scale: float) -> torch.Tensor | None:
     """One query token per row: q [B, H, 1, D] over k, v [B, KV, L, D] (cache views) with `mask`
     [B, 1, 1, L] (True = attend) or None -> [B, H, 1, D], the cache read once; None when n/a."""
@@ -210,7 +213,7 @@ def decode_attention(q, k, v, mask, scale: float) -> torch.Tensor | None:
     if (kernel := _fusable(q)) is None:
         return None
     keep = mask.reshape(b, -1).contiguous() if mask is not None else torch.empty(0, dtype=torch.bool)
-    return kernel.decode_attention(q.reshape(b, h, d).contiguous(), k, v, keep, scale).view(b, h, 1, d)
+    return kernel.decode_attention(q.reshape(b, h, d).contiguous(), k, v, keep, scale, _ALL_KEYS).view(b, h, 1, d)
 
 
 def gated_delta_step(state, q, k, v, decay, beta) -> torch.Tensor | None:

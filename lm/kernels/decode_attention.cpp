@@ -97,8 +97,10 @@ void attend_heads(int64_t rep, const float* q, const float* K, const float* Vv, 
 }  // namespace
 
 // q [B, H, D]; k, v [B, KV, L, D] (views into the cache: rows contiguous, any batch/head strides);
-// keep [B, L] bool or an empty tensor (all keys valid) -> [B, H, D].
-at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor keep, double scale) {
+// keep [B, L] bool or an empty tensor (all keys valid); lengths [B] int64 (row b attends over its
+// first lengths[b] keys) or an empty tensor (all L) -> [B, H, D].
+at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor keep, double scale,
+                            at::Tensor lengths) {
   check(q, "q");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KV = k.size(1), L = k.size(2);
   for (auto* t : {&k, &v})
@@ -109,6 +111,11 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor
   TORCH_CHECK(KV > 0 && H % KV == 0 && L > 0, "query heads must be a multiple of the KV heads");
   const bool masked = keep.numel() > 0;
   if (masked) TORCH_CHECK(keep.scalar_type() == at::kBool && keep.is_contiguous() && keep.numel() == B * L, "bad mask");
+  const bool ragged = lengths.defined() && lengths.numel() > 0;
+  if (ragged)
+    TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.numel() == B && lengths.is_contiguous(), "bad lengths");
+  const int64_t* lp = ragged ? lengths.data_ptr<int64_t>() : nullptr;
+  for (int64_t b = 0; ragged && b < B; ++b) TORCH_CHECK(lp[b] > 0 && lp[b] <= L, "a row's length is outside the cache");
   auto out = at::empty({B, H, D}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const bool* mp = masked ? keep.data_ptr<bool>() : nullptr;
@@ -121,7 +128,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor
       const float* vh = vp + b * v.stride(0) + h * v.stride(1);
       const bool* mh = mp ? mp + b * L : nullptr;
       float* oh = op + (b * H + h * rep) * D;
-      attend_heads(rep, qh, kh, vh, L, D, mh, float(scale), oh, scores.data());
+      attend_heads(rep, qh, kh, vh, lp ? lp[b] : L, D, mh, float(scale), oh, scores.data());
     }
   });
   return out;

@@ -67,7 +67,7 @@ std::vector<at::Tensor> DecodePlan::products(const at::Tensor& x, std::vector<at
 }
 
 at::Tensor DecodePlan::run(at::Tensor x, std::vector<at::Tensor> states, at::Tensor cos, at::Tensor sin,
-                           at::Tensor keep, int64_t pos) const {
+                           at::Tensor keep, at::Tensor pos) const {
   TORCH_CHECK(states.size() == 2 * layers_.size() && final_norm_.defined(), "decode plan and cache do not match");
   at::Tensor h = x.clone();  // the residual stream, updated in place
   for (size_t i = 0; i < layers_.size(); ++i) {

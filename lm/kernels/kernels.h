@@ -26,10 +26,11 @@ at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Ten
                       at::Tensor weight);
 std::vector<at::Tensor> chunked_delta_rule(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
                                            at::Tensor state, int64_t chunk);
-at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor keep, double scale);
+at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor keep, double scale,
+                            at::Tensor lengths);
 at::Tensor attention_token(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor q_norm_w, at::Tensor k_norm_w,
                            double eps, at::Tensor cos, at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
-                           int64_t pos, at::Tensor keep, double scale);
+                           at::Tensor pos, at::Tensor keep, double scale);
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps, double offset);
 std::vector<at::Tensor> causal_conv(at::Tensor x, at::Tensor window, at::Tensor weight);
 
@@ -55,10 +56,11 @@ class DecodePlan {
   // the panel copy of one of the plan's weights (vec.h): its products with 5-8 rows go through it
   void add_panels(at::Tensor weight, at::Tensor panels) { panels_[weight.data_ptr()] = panels; }
   // x [B, hidden] token embeddings; states: two per layer, (conv window, recurrent state) or
-  // (k cache, v cache); cos, sin [B, R] rotary angles; keep [B, pos + 1] bool or empty (no mask);
-  // pos the cache position of this token. Returns the final-normed hidden states [B, hidden].
+  // (k cache, v cache); cos, sin [B, R] rotary angles; pos [B] int64 the cache position of each
+  // row's token (rows may differ: the serving engine's rows each have their own length); keep
+  // [B, max(pos) + 1] bool or empty (no mask). Returns the final-normed hidden states [B, hidden].
   at::Tensor run(at::Tensor x, std::vector<at::Tensor> states, at::Tensor cos, at::Tensor sin, at::Tensor keep,
-                 int64_t pos) const;
+                 at::Tensor pos) const;
 
  private:
   struct Layer {
