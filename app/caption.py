@@ -28,7 +28,7 @@ from preprocess.video import MIN_FRAMES
 from .caption_inputs import expand_inputs, in_shard, parse_shard
 from .caption_run import CaptionJob, run
 from .caption_store import CaptionStore
-from .loading import add_model_arguments, check_model, device_problem, load_pipeline
+from .loading import add_model_arguments, check_model, device_problem, engine_options, load_pipeline
 
 DEFAULT_PROMPT = "Describe this video in detail."
 
@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fps", type=float, default=2.0, help="frames sampled per second of video" + default)
     parser.add_argument("--max-frames", type=int, default=64,
                         help=f"at most this many frames per video, at least {MIN_FRAMES}" + default)
-    parser.add_argument("--batch-size", type=int, default=4, help="videos per generation call" + default)
+    parser.add_argument("--batch-size", type=int, default=4, help="videos generating at once (a new one starts as soon as one ends)" + default)
     parser.add_argument("--workers", type=int, default=2, help="decoding threads, ahead of generation" + default)
     parser.add_argument("--max-new-tokens", type=int, default=512, help="caption length limit in tokens" + default)
     parser.add_argument("--preset", default=None, choices=["thinking", "instruct", "greedy"],
@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_plan(paths, store, args, len(todo)), file=sys.stderr)
         if not todo:
             return 0
-        pipeline = _checked(lambda: load_pipeline(model_path, device=args.device, dtype=args.dtype, weights=args.weights))
+        pipeline = _checked(lambda: load_pipeline(model_path, device=args.device, dtype=args.dtype, weights=args.weights,
+                                                         engine_options=engine_options(args)))
         if args.max_new_tokens >= pipeline.max_context:
             raise SystemExit(f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a video in the "
                              f"model's context of {pipeline.max_context} tokens")  # fmt: skip

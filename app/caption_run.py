@@ -1,4 +1,8 @@
-"""The captioning loop: decode videos ahead on a thread pool, caption them in batches, write records.
+"""The captioning loop: decode videos ahead on a thread pool, caption them in the engine, write records.
+
+Up to `batch_size` videos are in the engine at once; as soon as one caption ends, its record is
+written and the next decoded video starts (the engine's continuous batching), so the batch stays
+full instead of waiting for the slowest caption of a fixed group.
 
 Threads, not processes, decode: PyAV releases the GIL while it demuxes, decodes and converts frames,
 so threads decode in parallel with each other and with generation (torch also releases the GIL),
@@ -18,6 +22,7 @@ from typing import Any
 import preprocess
 from lm import SamplingParams
 from mm import Pipeline
+from mm.pipeline import Answer
 
 from .caption_store import CaptionStore
 
@@ -73,21 +78,8 @@ def prefetch(paths: Iterable[str], work: Callable[[str], Decoded], workers: int,
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def caption_batch(pipeline: Pipeline, batch: list[Decoded], job: CaptionJob) -> list[dict[str, Any]]:
-    """Records for a batch of decoded videos, generated together. A batch the pipeline refuses
-    (e.g. a prompt too long for the context) is split so that only the offending videos get errors."""
-    question = {"type": "text", "text": job.prompt}
-    conversations = [[{"role": "user", "content": [{"type": "video", "video": item.clip}, question]}] for item in batch]
-    start = time.perf_counter()
-    try:
-        outputs = pipeline.generate(conversations, job.params, enable_thinking=job.enable_thinking)
-    except ValueError as error:
-        if len(batch) == 1:
-            return [error_record(batch[0], f"{type(error).__name__}: {error}")]
-        return [record for item in batch for record in caption_batch(pipeline, [item], job)]
-    share = (time.perf_counter() - start) / len(batch)
-    return [caption_record(item, output.text, output.thinking, output.finish_reason, output.completion_tokens,
-                           item.seconds + share) for item, output in zip(batch, outputs)]  # fmt: skip
+def conversation(item: Decoded, job: CaptionJob) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": "video", "video": item.clip}, {"type": "text", "text": job.prompt}]}]
 
 
 def caption_record(item: Decoded, caption: str, thinking: str, finish_reason: str, tokens: int,
@@ -106,28 +98,52 @@ def error_record(item: Decoded, error: str) -> dict[str, Any]:
 
 def run(pipeline: Pipeline, paths: list[str], store: CaptionStore, job: CaptionJob, *, batch_size: int,
         workers: int, progress: Any) -> int:  # fmt: skip
-    """Caption `paths` into `store`, `batch_size` videos a generate call; returns the number of errors.
-    `progress` is a tqdm-like bar (`update(n)`, `set_postfix`)."""
+    """Caption `paths` into `store` with up to `batch_size` videos generating at once; returns the
+    number of errors. `progress` is a tqdm-like bar (`update(n)`, `set_postfix`)."""
     errors = 0
+    in_flight: list[tuple[Decoded, Answer]] = []
 
-    def emit(records: list[dict[str, Any]]) -> None:
+    def emit(record: dict[str, Any]) -> None:
         nonlocal errors
-        for record in records:
-            store.write(record)
-            errors += record["error"] is not None
-        progress.update(len(records))
+        store.write(record)
+        errors += record["error"] is not None
+        progress.update(1)
         progress.set_postfix(errors=errors, refresh=False)
 
-    batch: list[Decoded] = []
+    def finish(item: Decoded, answer: Answer) -> None:
+        try:
+            output = answer.output()
+        except (ValueError, RuntimeError) as error:  # e.g. the vision tower refused the frames
+            return emit(error_record(item, f"{type(error).__name__}: {error}"))
+        emit(caption_record(item, output.text, output.thinking, output.finish_reason, output.completion_tokens,
+                            item.seconds + output.timings["total"]))  # fmt: skip
+
+    def drain(below: int) -> None:
+        """Write the finished captions until fewer than `below` are in flight."""
+        while len(in_flight) >= below:
+            done = [pair for pair in in_flight if pair[1].request.done]
+            if not done:
+                time.sleep(0.005)
+                continue
+            for pair in done:
+                in_flight.remove(pair)
+                finish(*pair)
+
     work = lambda path: decode(path, job.fps, job.max_frames)  # noqa: E731
-    for item in prefetch(paths, work, workers, ahead=workers + batch_size):
-        if item.error is not None:
-            emit([error_record(item, item.error)])
-            continue
-        batch.append(item)
-        if len(batch) == batch_size:
-            emit(caption_batch(pipeline, batch, job))
-            batch = []
-    if batch:
-        emit(caption_batch(pipeline, batch, job))
+    try:
+        for item in prefetch(paths, work, workers, ahead=workers + batch_size):
+            if item.error is not None:
+                emit(error_record(item, item.error))
+                continue
+            try:
+                answer = pipeline.submit(conversation(item, job), job.params, enable_thinking=job.enable_thinking)
+            except ValueError as error:  # e.g. a prompt too long for the context: this video only
+                emit(error_record(item, f"{type(error).__name__}: {error}"))
+                continue
+            in_flight.append((item, answer))
+            drain(below=batch_size)
+        drain(below=1)
+    finally:
+        for _, answer in in_flight:  # interrupted: stop what is still generating
+            answer.cancel()
     return errors

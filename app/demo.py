@@ -17,7 +17,7 @@ from mm import PRESETS, Pipeline
 
 from .demo_chat import MODEL_DEFAULT, error_message, sampling_params, stream_reply, user_message
 from .default_model import RANDOM_WEIGHTS_NOTICE
-from .loading import add_model_arguments, check_model, device_problem, load_pipeline
+from .loading import add_model_arguments, check_model, device_problem, engine_options, load_pipeline
 
 MAX_FILE_SIZE = "200mb"
 API_NAME = "chat"  # gradio_client: client.submit(message, history, *controls, api_name="/chat")
@@ -28,9 +28,11 @@ RANDOM_MODEL_THINKING_NOTICE = (
 
 
 def build_demo(pipeline: Pipeline, *, notice: str | None = None, title: str = "Qwen3.5 / Qwen3.6 chat",
-               max_new_tokens: int = 1024, enable_thinking: bool = True, concurrency_limit: int = 1,
+               max_new_tokens: int = 1024, enable_thinking: bool = True, concurrency_limit: int | None = None,
                queue_size: int = 32) -> gr.Blocks:  # fmt: skip
-    """The demo's Blocks, queued (at most `concurrency_limit` generations at a time, `queue_size` waiting).
+    """The demo's Blocks, queued (at most `concurrency_limit` generations at a time, default: the
+    engine's slots, all decoded in one batch; `queue_size` waiting). Later chat turns reuse the
+    earlier ones through the engine's prefix cache.
 
     notice: a warning shown above the chat (e.g. RANDOM_WEIGHTS_NOTICE). The chat event's inputs, in
     order: message ({"text", "files"}), history, preset, temperature, top_p, top_k, max_new_tokens,
@@ -60,7 +62,8 @@ def build_demo(pipeline: Pipeline, *, notice: str | None = None, title: str = "Q
         clear.click(lambda: ([], None), None, [chatbot, textbox], cancels=[chat], api_name="clear")
         preset_outputs = [controls[k] for k in ("temperature", "top_p", "top_k", "presence_penalty", "thinking")]
         controls["preset"].change(_preset_values, controls["preset"], preset_outputs, api_visibility="private")
-    return demo.queue(default_concurrency_limit=concurrency_limit, max_size=queue_size)
+    limit = concurrency_limit or pipeline.engine.max_batch
+    return demo.queue(default_concurrency_limit=limit, max_size=queue_size)
 
 
 def _controls(defaults: Any, max_new_tokens: int, max_context: int,
@@ -133,7 +136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--share", action="store_true", help="also make a public gradio.live link (off by default)")
-    parser.add_argument("--concurrency", type=int, default=1, help="generations running at once")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="generations running at once (default: --max-batch, all in one batch)")
     parser.add_argument("--max-file-size", default=MAX_FILE_SIZE, help="upload size limit, e.g. 200mb")
     parser.add_argument("--max-new-tokens", type=int, default=1024, help="initial max new tokens")
     return parser.parse_args(argv)
@@ -146,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: {problem}")
     try:
         path = check_model(args.model)  # prints the random-weights notice when no --model
-        pipeline = load_pipeline(path, device=args.device, dtype=args.dtype, weights=args.weights)  # kernels first
+        pipeline = load_pipeline(path, device=args.device, dtype=args.dtype, weights=args.weights,
+                                 engine_options=engine_options(args))  # kernels first
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
     title = f"Qwen3.5 / Qwen3.6 chat: {Path(path).name}"

@@ -42,16 +42,25 @@ def check_model(model: str | Path | None) -> Path:
 
 
 def load_pipeline(model: str | Path | None, *, device: str = "cpu", dtype: torch.dtype | str | None = None,
-                  weights: str = "auto") -> Pipeline:
+                  weights: str = "auto", engine_options: dict | None = None) -> Pipeline:
     """`mm.Pipeline` for a checkpoint directory (None: the built-in random-weights model); `weights`
-    the storage format of the large weights (see `mm.load_model`). On CPU the C++ kernels are built
-    (first time, announced) or loaded first, so no request waits for a build."""
+    the storage format of the large weights (see `mm.load_model`); `engine_options` those of its
+    serving engine (see `engine_options`). On CPU the C++ kernels are built (first time, announced)
+    or loaded first, so no request waits for a build."""
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     path = resolve_model(model)
     if torch.device(device).type == "cpu":
         prebuild()
-    return Pipeline.from_pretrained(path, device=device, dtype=dtype, weights=weights)
+    return Pipeline.from_pretrained(path, device=device, dtype=dtype, weights=weights, engine_options=engine_options)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The serving engine's options from the arguments of `add_model_arguments`."""
+    options = dict(max_batch=args.max_batch, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
+    if args.max_len is not None:
+        options["max_len"] = args.max_len
+    return options
 
 
 def device_problem(device: str) -> str | None:
@@ -75,7 +84,8 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """--model, --device, --dtype and --weights, shared by the command-line front ends."""
+    """--model, --device, --dtype, --weights and the serving engine's sizes, shared by the
+    command-line front ends."""
     parser.add_argument("--model", default=None, metavar="PATH",
                         help="checkpoint directory (default: the built-in tiny model with RANDOM weights)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
@@ -84,3 +94,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default="auto", metavar="FORMAT",
                         help=f"storage of the large weights on CPU: {', '.join(WEIGHTS_CHOICES)}, or per part, e.g. "
                              "'int4,attention=int8' (default auto: a bf16 checkpoint stays bf16, computed in float32)")
+    parser.add_argument("--max-batch", type=int, default=8, metavar="N",
+                        help="sequences the engine decodes together (its slots; more requests wait) (default: 8)")
+    parser.add_argument("--max-len", type=int, default=None, metavar="TOKENS",
+                        help="the longest sequence (prompt + answer) one slot holds (default: the model's context, "
+                             "at most 32768)")
+    parser.add_argument("--prefix-cache-mb", type=float, default=2048, metavar="MB",
+                        help="memory for cached prompt states, reused by later requests and chat turns (default: 2048)")

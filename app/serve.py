@@ -28,7 +28,7 @@ from mm.processor import PromptTooLongError
 
 from . import serve_response as shape
 from .openai_protocol import APIError, ChatCompletionRequest, bad_request, parse_request
-from .loading import add_model_arguments, load_pipeline, resolve_model
+from .loading import add_model_arguments, engine_options, load_pipeline, resolve_model
 from .reasoning import prompt_opens_thinking
 from .serve_backend import Backend, Generation, ServerBusy
 from .serve_media import MediaPolicy
@@ -320,7 +320,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_server(args: argparse.Namespace) -> tuple[FastAPI, Backend]:
     """Load the model named by `args` and make the app (no serving yet)."""
     path = resolve_model(args.model)  # prints the random-weights notice when no --model
-    load_args = dict(device=args.device, dtype=args.dtype, weights=args.weights)
+    load_args = dict(device=args.device, dtype=args.dtype, weights=args.weights, engine_options=engine_options(args))
     pipeline = load_pipeline(path, **load_args)
     if args.max_model_len is not None:
         if args.max_model_len < 2:

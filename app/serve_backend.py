@@ -1,12 +1,10 @@
-"""The server's one use of the model: `Backend` runs each request's generation through `mm.Pipeline`.
+"""The server's one use of the model: `Backend` hands each request's generation to the serving engine.
 
-Today's `mm.Pipeline` runs one generation at a time per call and is not made for concurrent calls,
-so the backend runs one generation at a time, first come first served, each in a worker thread,
-and requests queue for their turn (at most `queue_timeout` seconds, then `ServerBusy`, a 503).
-When the serving engine (continuous batching) lands, only this file changes: `Generation` would
-hand its job to the engine instead of taking the turn, and concurrent requests share the batch.
-
-A cancelled generation (the client went away) stops after its current token and gives up its turn.
+Every request becomes one request of the pipeline's engine (lm/scheduler.py): concurrent requests
+share its batch (up to its slots; the rest wait in order) and its prefix cache. A request that
+is not admitted within `queue_timeout` seconds, because every slot stays busy, is withdrawn and
+answered with `ServerBusy` (a 503). A cancelled generation (the client went away) is withdrawn
+from the engine at once, which frees its slot at the next step.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,19 +26,18 @@ class ServerBusy(Exception):
 
 
 class Backend:
-    """Generations on one `mm.Pipeline`, one at a time in arrival order."""
+    """Generations on one `mm.Pipeline`, batched by its engine."""
 
     def __init__(self, pipeline: Pipeline, *, queue_timeout: float = 600.0, max_waiting: int = 256):
         self.pipeline = pipeline
         self.queue_timeout, self.max_waiting = queue_timeout, max_waiting
-        self._turn = threading.Condition()
-        self._queue: deque[Generation] = deque()
-        self._busy = False
-        self.running = 0
+        self._lock = threading.Lock()
+        self._waiting = 0  # submitted, not yet admitted to a slot
+        self.running = 0  # admitted and generating
 
     @property
     def waiting(self) -> int:
-        return len(self._queue)
+        return self._waiting
 
     @property
     def max_context(self) -> int:
@@ -60,50 +56,35 @@ class Backend:
                       enable_thinking=enable_thinking, template_kwargs=template_kwargs)  # fmt: skip
 
     def start(self, job: ChatJob) -> "Generation":
-        """Queue `job`; read its pieces with `Generation.events()`."""
-        if len(self._queue) >= self.max_waiting:
-            raise ServerBusy(f"{len(self._queue)} requests are already waiting (the limit, --max-waiting)")
+        """Start `job`; read its pieces with `Generation.events()`."""
+        with self._lock:
+            if self._waiting >= self.max_waiting:
+                raise ServerBusy(f"{self._waiting} requests are already waiting (the limit, --max-waiting)")
+            self._waiting += 1
         generation = Generation(self, job, asyncio.get_running_loop())
-        with self._turn:
-            self._queue.append(generation)
         threading.Thread(target=generation.work, name="generation", daemon=True).start()
         return generation
 
-    def _take_turn(self, generation: "Generation") -> bool:
-        """Wait until `generation` is first in line and nothing runs; False if cancelled or timed out."""
-        deadline = time.monotonic() + self.queue_timeout
-        with self._turn:
-            try:
-                while self._busy or self._queue[0] is not generation:
-                    left = deadline - time.monotonic()
-                    if generation.cancelled.is_set() or left <= 0:
-                        return False
-                    self._turn.wait(timeout=min(left, 0.1))
-                self._busy = True
-                self.running += 1
-                return True
-            finally:
-                self._queue.remove(generation)
-                self._turn.notify_all()
-
-    def _end_turn(self) -> None:
-        with self._turn:
-            self._busy = False
-            self.running -= 1
-            self._turn.notify_all()
+    def _count(self, waiting: int, running: int) -> None:
+        with self._lock:
+            self._waiting += waiting
+            self.running += running
 
 
 class Generation:
-    """One request's generation, run in a worker thread; `events()` yields its text pieces, then its
-    `mm.Output`. `cancel()` stops it (between two tokens) and frees the backend for the next request."""
+    """One request's generation, fed from a worker thread; `events()` yields its text pieces, then
+    its `mm.Output`. `cancel()` withdraws it from the engine (its slot frees at the next step)."""
 
     def __init__(self, backend: Backend, job: ChatJob, loop: asyncio.AbstractEventLoop):
         self.backend, self.job, self.loop = backend, job, loop
         self.cancelled = threading.Event()
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.answer = None  # the pipeline's Answer, once submitted
 
     def cancel(self) -> None:
         self.cancelled.set()
+        if self.answer is not None:
+            self.answer.cancel()
 
     async def events(self) -> AsyncIterator[str | Output]:
         """Text pieces as they come, then the finished `Output`. Raises what the generation raised
@@ -121,37 +102,56 @@ class Generation:
                 return
 
     def work(self) -> None:
-        """The worker thread: wait for the turn, then pull pieces from `Pipeline.stream`."""
-        if not self.backend._take_turn(self):
-            if self.cancelled.is_set():
-                self._put("cancelled", None)
-            else:
-                self._put("error", ServerBusy(f"no generation slot became free within {self.backend.queue_timeout:g} s "
-                                              "(--queue-timeout)"))  # fmt: skip
-            return
+        """The worker thread: submit, wait for a slot, then pass on the pieces."""
+        running = False
         try:
-            last = self._generate()
+            job = self.job
+            self.answer = self.backend.pipeline.submit(job.conversation, job.params, enable_thinking=job.enable_thinking,
+                                                       template_kwargs=job.template_kwargs)  # fmt: skip
+            if self.cancelled.is_set():
+                self.answer.cancel()
+            if not self._admitted():
+                self.answer.cancel()
+                last = ("cancelled", None) if self.cancelled.is_set() else ("error", ServerBusy(
+                    f"no generation slot became free within {self.backend.queue_timeout:g} s (--queue-timeout)"))
+            else:
+                self.backend._count(-1, +1)
+                running = True
+                last = self._generate()
         except Exception as error:  # handed to the request, which maps it to an error response
             last = ("error", error)
         finally:
-            self.backend._end_turn()
-        self._put(*last)  # after the turn ended: whoever sees the end sees the backend free
+            if running:
+                self.backend._count(0, -1)
+            else:
+                self.backend._count(-1, 0)
+        self._put(*last)  # after the counts: whoever sees the end sees the backend free
+
+    def _admitted(self) -> bool:
+        """Wait until the engine gives the request a slot (or it ends); False on cancel or timeout."""
+        request = self.answer.request
+        deadline = time.monotonic() + self.backend.queue_timeout
+        while not request.admitted.wait(timeout=0.05):
+            if self.cancelled.is_set() or time.monotonic() > deadline:
+                return False
+        return not self.cancelled.is_set()
 
     def _generate(self) -> tuple[str, Any]:
         """Put each piece; return the last event: ("done", Output) or ("cancelled", None)."""
-        job = self.job
-        pieces = self.backend.pipeline.stream(job.conversation, job.params, enable_thinking=job.enable_thinking,
-                                              template_kwargs=job.template_kwargs)  # fmt: skip
+        answer = self.answer
         try:
-            while not self.cancelled.is_set():
-                try:
-                    piece = next(pieces)
-                except StopIteration as end:
-                    return "done", end.value
+            for _ in answer.request:
+                if self.cancelled.is_set():
+                    return "cancelled", None
+                if piece := answer.new_text():
+                    self._put("piece", piece)
+            if self.cancelled.is_set() or answer.request.finish_reason == "cancelled":
+                return "cancelled", None
+            if piece := answer.new_text(final=True):
                 self._put("piece", piece)
-            return "cancelled", None
+            return "done", answer.output()
         finally:
-            pieces.close()
+            answer.cancel()
 
     def _put(self, kind: str, value: Any) -> None:
         try:

@@ -88,6 +88,7 @@ class Request:
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled = threading.Event()
         self._finished = threading.Event()
+        self.admitted = threading.Event()  # set when the request starts its prefill (or ends before)
 
     def __iter__(self) -> Iterator[int]:
         while True:
@@ -100,9 +101,10 @@ class Request:
                 raise value
 
     def result(self) -> list[int]:
-        """Wait for the end; all generated tokens."""
-        for _ in self:
-            pass
+        """Wait for the end (whether or not the tokens were iterated); all generated tokens."""
+        self._finished.wait()
+        if self.error is not None:
+            raise self.error
         return self.tokens
 
     def cancel(self) -> None:
@@ -124,6 +126,7 @@ class Request:
     def _end(self, reason: str | None, error: BaseException | None = None) -> None:
         self.finish_reason, self.error = reason, error
         self.times["finished"] = time.perf_counter()
+        self.admitted.set()
         self._finished.set()
         self._events.put(("error", error) if error is not None else ("end", reason))
 
@@ -290,6 +293,8 @@ class Engine:
 
     def _start_prefill(self, row: _Row) -> None:
         t = len(row.key)
+        row.request.times["admitted"] = time.perf_counter()
+        row.request.admitted.set()
         snap = self.prefix.lookup(row.key)
         row.request.cached_tokens = len(snap.key) if snap is not None else 0
         if snap is not None and len(snap.key) == t:  # the whole prompt is cached: decode at once

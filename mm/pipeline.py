@@ -1,7 +1,13 @@
-"""`Pipeline`: chat conversations (text, images, videos) in, answers out. All front ends call this."""
+"""`Pipeline`: chat conversations (text, images, videos) in, answers out. All front ends call this.
+
+Every answer goes through one serving engine per pipeline (lm/scheduler.py): `generate` and
+`stream` may be called from several threads at once; their requests share the engine's batch, its
+prefix cache (a chat's later turns reuse the earlier ones) and a cache of vision features.
+"""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
@@ -11,8 +17,10 @@ from typing import Any
 import torch
 
 from lm import SamplingParams
+from lm.scheduler import Engine
 
 from .chat import split_thinking
+from .engine_requests import VisionCache, engine_prompt
 from .loading import load_model
 from .model import VLModel
 from .processor import Conversation, ModelInputs, Processor, PromptTooLongError
@@ -37,26 +45,34 @@ class Output:
     completion_tokens: int
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
     timings: dict[str, float] = field(default_factory=dict)  # seconds: prefill, decode, total
+    cached_tokens: int = 0  # prompt tokens taken from the engine's prefix cache
 
 
 class Pipeline:
-    def __init__(self, model: VLModel, processor: Processor, *, max_context: int | None = None):
+    def __init__(self, model: VLModel, processor: Processor, *, max_context: int | None = None,
+                 engine_options: dict[str, Any] | None = None):  # fmt: skip
         """TokenizerMismatchError when the processor's tokenizer disagrees with the model (see
-        mm.tokenizer_check)."""
+        mm.tokenizer_check). `engine_options`: keyword arguments of `lm.scheduler.Engine` (max_batch,
+        max_len, step_tokens, prefix_cache_bytes, ...)."""
         check_tokenizer(processor.tokenizer, model.config, model.eos_token_ids())
         self.model, self.processor = model, processor
         self.max_context = max_context or model.config.text.max_position_embeddings
+        self.engine_options = dict(engine_options or {})
+        self._engine: Engine | None = None
+        self._engine_lock = threading.Lock()
+        self.vision_cache = VisionCache()
+        self.assistant_start = processor.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None,
-                        weights: str = "auto") -> "Pipeline":
+                        weights: str = "auto", engine_options: dict[str, Any] | None = None) -> "Pipeline":
         """The pipeline of a checkpoint directory; `weights` the storage format of the large weights
         (see `mm.load_model`). The processor loads first, so that a checkpoint without its
         tokenizer files fails before its weights are read."""
         processor = Processor.from_pretrained(path)
         model = load_model(path, device=device, dtype=dtype, weights=weights)
         try:
-            return cls(model, processor)
+            return cls(model, processor, engine_options=engine_options)
         except TokenizerMismatchError as error:
             raise TokenizerMismatchError(f"{path}: {error}") from None
 
@@ -85,19 +101,39 @@ class Pipeline:
         device = self.model.lm.lm_head.weight.device
         return inputs.to(device, self.model.lm.compute_dtype)
 
+    @property
+    def engine(self) -> Engine:
+        """The serving engine all generation goes through (made on first use): requests from any
+        thread share its batch and its prefix cache (lm/scheduler.py)."""
+        with self._engine_lock:
+            if self._engine is None:
+                options = dict(max_len=min(self.max_context, 32768))
+                options.update(self.engine_options)
+                self._engine = Engine(self.model.lm, eos_token_ids=self.model.eos_token_ids(), **options)
+            return self._engine
+
+    def submit(self, conversation: Conversation, params: SamplingParams | None = None, *,
+               enable_thinking: bool | None = None, template_kwargs: dict[str, Any] | None = None) -> "Answer":  # fmt: skip
+        """Start one conversation's answer in the engine; returns at once (see `Answer`)."""
+        params = params or self.default_params()
+        start = time.perf_counter()
+        inputs = self.prepare([conversation], params, enable_thinking, template_kwargs)
+        return Answer(self, inputs, params, start)
+
     def generate(self, conversations: Sequence[Conversation], params: SamplingParams | None = None, *,
                  enable_thinking: bool | None = None,
                  template_kwargs: dict[str, Any] | None = None) -> list[Output]:  # fmt: skip
-        """Answers for a batch of conversations, generated together (template_kwargs: more chat template
-        variables, e.g. `tools`)."""
+        """Answers for a batch of conversations, generated together in the engine's batch
+        (template_kwargs: more chat template variables, e.g. `tools`)."""
         params = params or self.default_params()
         start = time.perf_counter()
-        inputs = self.prepare(conversations, params, enable_thinking, template_kwargs)
-        run = _Run(self, inputs, params)
-        first = None
-        for _ in run.events():
-            first = first or time.perf_counter()
-        return run.outputs(start, first or time.perf_counter(), time.perf_counter())
+        prepared = [self.prepare([c], params, enable_thinking, template_kwargs) for c in conversations]
+        answers = [Answer(self, inputs, params, start) for inputs in prepared]
+        try:
+            return [answer.output() for answer in answers]
+        finally:
+            for answer in answers:
+                answer.cancel()
 
     def stream(self, conversation: Conversation, params: SamplingParams | None = None, *,
                enable_thinking: bool | None = None,
@@ -106,77 +142,72 @@ class Pipeline:
 
         The pieces join to the whole generated text. The generator's return value (`StopIteration.value`,
         or the value of `yield from`) is the finished answer's `Output`; closing the generator early
-        stops the generation."""
-        params = params or self.default_params()
-        start = time.perf_counter()
-        run = _Run(self, self.prepare([conversation], params, enable_thinking, template_kwargs), params)
-        first = None
-        for _ in run.events():
-            first = first or time.perf_counter()
-            piece = run.new_text(0)
+        stops the generation and frees its slot."""
+        answer = self.submit(conversation, params, enable_thinking=enable_thinking, template_kwargs=template_kwargs)
+        try:
+            for _ in answer.request:
+                piece = answer.new_text()
+                if piece:
+                    yield piece
+            piece = answer.new_text(final=True)
             if piece:
                 yield piece
-        piece = run.new_text(0, final=True)
-        if piece:
-            yield piece
-        return run.outputs(start, first or time.perf_counter(), time.perf_counter())[0]
+            return answer.output()
+        finally:
+            answer.cancel()
 
 
-class _Run:
-    """One batched generation: token bookkeeping, stop strings and incremental detokenisation."""
+class Answer:
+    """One conversation's answer in the engine: token bookkeeping, stop strings and incremental
+    detokenisation. `request` is the engine's handle (iterate it for token ids)."""
 
-    def __init__(self, pipeline: Pipeline, inputs: ModelInputs, params: SamplingParams):
-        self.pipeline, self.inputs, self.params = pipeline, inputs, params
-        rows = inputs.input_ids.shape[0]
-        self.tokens: list[list[int]] = [[] for _ in range(rows)]
-        self.reasons: list[str] = ["length"] * rows
-        self.emitted = [0] * rows  # characters already streamed per row
+    def __init__(self, pipeline: Pipeline, inputs: ModelInputs, params: SamplingParams, start: float):
+        self.pipeline, self.inputs, self.params, self.start = pipeline, inputs, params, start
+        self.emitted = 0  # characters already streamed
+        with torch.no_grad():
+            prompt = engine_prompt(pipeline.model, inputs, pipeline.vision_cache, pipeline.assistant_start)
+        stop = self._hit_stop_string if params.stop else None
+        self.request = pipeline.engine.submit(prompt, params, stop_when=stop)
 
-    def events(self):
-        model = self.pipeline.model
-        stop = self._hit_stop_string if self.params.stop else None
-        for event in model.stream_generate(
-            self.inputs.input_ids, self.params, attention_mask=self.inputs.attention_mask,
-            pixel_values=self.inputs.pixel_values, image_grid_thw=self.inputs.image_grid_thw,
-            pixel_values_videos=self.inputs.pixel_values_videos, video_grid_thw=self.inputs.video_grid_thw,
-            stop_when=stop,
-        ):  # fmt: skip
-            self.tokens[event.row].append(event.token)
-            if event.finish_reason:
-                self.reasons[event.row] = event.finish_reason
-            yield event
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.tokens
 
-    def text(self, row: int) -> str:
+    def cancel(self) -> None:
+        self.request.cancel()
+
+    def text(self) -> str:
         """Decoded output so far, cut before the first stop string."""
-        text = self.pipeline.processor.decode(self.tokens[row], skip_special_tokens=True)
+        text = self.pipeline.processor.decode(self.tokens, skip_special_tokens=True)
         cut = min((i for i in (text.find(s) for s in self.params.stop) if i >= 0), default=-1)
         return text if cut < 0 else text[:cut]
 
-    def _hit_stop_string(self, row: int, tokens: list[int]) -> bool:
+    def _hit_stop_string(self, tokens: list[int]) -> bool:
         text = self.pipeline.processor.decode(tokens, skip_special_tokens=True)
         return any(s in text for s in self.params.stop)
 
-    def new_text(self, row: int, final: bool = False) -> str:
+    def new_text(self, final: bool = False) -> str:
         """Text not yet streamed; holds back a possibly unfinished character or stop string."""
-        text = self.text(row)
+        text = self.text()
         end = len(text)
         if not final:
             if text.endswith("\ufffd"):  # a multi-byte character split across tokens
                 end = len(text.rstrip("\ufffd"))
             hold = max((len(s) - 1 for s in self.params.stop), default=0)
-            end = max(self.emitted[row], end - hold)
-        piece = text[self.emitted[row] : end]
-        self.emitted[row] = end
+            end = max(self.emitted, end - hold)
+        piece = text[self.emitted : end]
+        self.emitted = end
         return piece
 
-    def outputs(self, start: float, first: float, end: float) -> list[Output]:
-        mask = self.inputs.attention_mask
-        results = []
-        for row, tokens in enumerate(self.tokens):
-            thinking, answer = split_thinking(self.text(row), in_thinking=_thinking_open(self.inputs.prompts[row]))
-            timings = dict(prefill=first - start, decode=end - first, total=end - start)
-            results.append(Output(answer, thinking, tokens, int(mask[row].sum()), len(tokens), self.reasons[row], timings))
-        return results
+    def output(self) -> Output:
+        """Wait for the end; the finished answer (raises the engine's error if it failed)."""
+        self.request.result()
+        times = self.request.times
+        first, end = times.get("first_token", times["finished"]), times["finished"]
+        thinking, answer = split_thinking(self.text(), in_thinking=_thinking_open(self.inputs.prompts[0]))
+        timings = dict(prefill=first - self.start, decode=end - first, total=end - self.start)
+        return Output(answer, thinking, list(self.tokens), int(self.inputs.attention_mask[0].sum()), len(self.tokens),
+                      self.request.finish_reason or "stop", timings, self.request.cached_tokens)  # fmt: skip
 
 
 def _thinking_open(prompt: str) -> bool:
