@@ -5,10 +5,12 @@ shorter prefix, so block-granular KV reuse (vLLM, SGLang) does not carry over: t
 only hit at block boundaries. Here a snapshot is the complete state at one length: every layer's
 KV up to that length, every DeltaNet conv window and recurrent state, and the logits of the last
 token (so a request whose whole prompt is cached starts decoding at once). The engine takes
-snapshots where reuse is likely: at the end of each prompt, at the start of its assistant turn
-(the next chat turn's history diverges there), at chunk boundaries of long prompts and at the end
-of each generation. A snapshot hits any request whose key starts with the snapshot's key, whatever
-the length.
+snapshots where reuse is likely: at the end of each prompt, at the positions the caller names (the
+chat front end names each message's start and the start of the assistant turn, where the next
+turn's history diverges), where a prompt leaves the longest prefix it shares with a stored one
+(`shared_length`: the second request with a common prefix of any length makes the third hit), at
+chunk boundaries of long prompts and at the end of each generation. A snapshot hits any request
+whose key starts with the snapshot's key, whatever the length.
 
 Keys are sequences of ints: the token ids, with media placeholders replaced by content hashes
 (mm/engine_requests.py), so two different images never share a prefix. Lookup hashes the
@@ -22,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .cache import Cache
@@ -34,6 +37,7 @@ class Snapshot:
     state: Cache  # batch 1, exactly len(key) positions; never written after it is stored
     logits: torch.Tensor  # [vocab] of the last position
     nbytes: int
+    array: np.ndarray  # the key, for shared_length
 
 
 class PrefixCache:
@@ -69,6 +73,18 @@ class PrefixCache:
                 self.hit_tokens += len(best.key)
         return best
 
+    def shared_length(self, key: Sequence[int]) -> int:
+        """The longest prefix `key` shares with any stored snapshot's key (not necessarily a whole
+        key): where this request leaves a sequence seen before. A snapshot there lets the next
+        request that shares as much hit, at whatever length that is."""
+        query = np.asarray(key, dtype=np.int64)
+        best = 0
+        for entry in self._entries.values():
+            n = min(len(query), len(entry.array))
+            differ = np.flatnonzero(query[:n] != entry.array[:n])
+            best = max(best, int(differ[0]) if differ.size else n)
+        return best
+
     def insert(self, key: Sequence[int], state: Cache, logits: torch.Tensor) -> bool:
         """Store a snapshot (state: a batch-1 cache of len(key) positions, not written afterwards).
         False when it alone is larger than the whole budget."""
@@ -84,7 +100,7 @@ class PrefixCache:
             return False
         while self.nbytes + nbytes > self.max_bytes:
             self._evict()
-        self._entries[slot] = Snapshot(key, state, logits, nbytes)
+        self._entries[slot] = Snapshot(key, state, logits, nbytes, np.asarray(key, dtype=np.int64))
         self._lengths[len(key)] = self._lengths.get(len(key), 0) + 1
         self.nbytes += nbytes
         return True

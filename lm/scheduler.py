@@ -21,8 +21,9 @@ Requests beyond the free slots wait in order, never dropped; a request that cann
 Prefix cache (lm/prefix_cache.py): before its prefill, a request resumes from the longest stored
 snapshot whose key starts its own key, and prefills only the rest. Snapshots are taken at the end
 of each prompt, at the prompt positions the caller names (`Prompt.snapshot_at`: the chat front end
-names the start of the assistant turn, where the next turn's history diverges), every
-`snapshot_every` tokens of long prompts, and at the end of each generation.
+names each message's start and the start of the assistant turn, where the next turn's history
+diverges), where the prompt leaves the longest prefix it shares with a stored snapshot's key,
+every `snapshot_every` tokens of long prompts, and at the end of each generation.
 
 Greedy outputs equal one-request-at-a-time generation (`stream_generate` with batch 1): every row
 is computed as it would be alone; tests/lm/test_scheduler.py checks this token for token.
@@ -301,6 +302,9 @@ class Engine:
             row.done, row.logits = t, snap.logits
             self._begin_decoding(row, snap.state)
             return
+        shared = self.prefix.shared_length(row.key)  # where this prompt leaves one seen before
+        if row.request.cached_tokens < shared < t and shared not in row.stops:
+            row.stops = sorted([*row.stops, shared])
         if snap is not None:
             row.cache, row.done = resumed(snap.state, t), len(snap.key)
         else:

@@ -7,9 +7,10 @@
   tower. When it does run, its features per image or video come from `VisionCache` (by the same
   content hash), so a later chat turn that misses the prefix cache still does not re-encode them.
 - mRoPE positions of the whole prompt, and the position of the first generated token.
-- A snapshot point at the start of the assistant turn (after `<|im_start|>assistant\\n`): the next
-  turn's history renders turn 1's answer from there without its `<think>` block, so this is where
-  the next turn's prompt leaves this one.
+- Snapshot points at the start of each message (a shared system prompt is reused whatever follows)
+  and at the start of the assistant turn (after `<|im_start|>assistant\\n`): the next turn's
+  history renders this turn's answer from there without its `<think>` block, so this is where the
+  next turn's prompt leaves this one.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _items(pixels: torch.Tensor | None, grid: torch.Tensor | None):
 def engine_prompt(model: VLModel, inputs: ModelInputs, vision_cache: VisionCache,
                   assistant_start: list[int] | None = None) -> Prompt:  # fmt: skip
     """The request of a one-conversation `ModelInputs` (no padding). `assistant_start`: the token ids
-    of `<|im_start|>assistant\\n`, whose end becomes a snapshot point."""
+    of `<|im_start|>assistant\\n`; its first is the message start token."""
     if inputs.input_ids.shape[0] != 1 or not bool(inputs.attention_mask.all()):
         raise ValueError("engine_prompt takes one conversation without padding")
     cfg = model.config
@@ -114,10 +115,12 @@ def engine_prompt(model: VLModel, inputs: ModelInputs, vision_cache: VisionCache
     if has_media:
         pos, _ = mrope_positions(ids_t, inputs.image_grid_thw, inputs.video_grid_thw, None, config=cfg)
         positions, next_position = pos[:, 0], int(pos.max()) + 1
-    snapshot_at = ()
+    points = set()
     if assistant_start:
         n = len(assistant_start)
-        starts = [i for i in range(len(ids) - n + 1) if ids[i : i + n] == assistant_start]
-        if starts and starts[-1] + n < len(ids):
-            snapshot_at = (starts[-1] + n,)
+        points = {i for i, t in enumerate(ids) if t == assistant_start[0] and i > 0}  # message starts
+        turn = [i for i in points if ids[i : i + n] == assistant_start]
+        if turn:
+            points.add(max(turn) + n)
+    snapshot_at = tuple(sorted(i for i in points if i < len(ids)))
     return Prompt(ids, key=key, embed=embed, positions=positions, next_position=next_position, snapshot_at=snapshot_at)
