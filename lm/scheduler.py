@@ -82,6 +82,7 @@ class Request:
     def __init__(self, engine: "Engine", rid: int, prompt: Prompt, params: SamplingParams, stop_when):
         self.engine, self.id, self.prompt, self.params, self.stop_when = engine, rid, prompt, params, stop_when
         self.tokens: list[int] = []  # written by the engine thread
+        self.token_times: list[float] = []  # perf_counter() when each token was sampled
         self.finish_reason: str | None = None  # "stop", "length" or "cancelled"
         self.error: BaseException | None = None
         self.cached_tokens = 0  # prompt tokens taken from the prefix cache
@@ -121,6 +122,7 @@ class Request:
     # engine side
     def _token(self, token: int) -> None:
         self.tokens.append(token)
+        self.token_times.append(time.perf_counter())
         self.times.setdefault("first_token", time.perf_counter())
         self._events.put(("token", token))
 
