@@ -2,10 +2,10 @@
 
 Writes one JSON line per video: path (absolute), caption, thinking, frames (count), timestamps
 (seconds of the frames used), duration (seconds), error (null, or why the video has no caption),
-finish_reason, completion_tokens and seconds (the video's decode time plus its share of its batch's
-generation time). Videos already captioned in the output file are skipped, so rerunning the same
-command resumes an interrupted run; a crash loses at most the batch in flight. Videos with only
-error records are skipped too, unless `--retry-errors` asks to caption them again.
+finish_reason, completion_tokens and seconds (the video's decode time plus its time in the engine).
+Videos already captioned in the output file are skipped, so rerunning the same command resumes an
+interrupted run; a crash loses at most the videos in flight. Videos with only error records are
+skipped too, unless `--retry-errors` asks to caption them again.
 
     python -m app.caption videos/ --out captions.jsonl --model /models/Qwen3.5-35B-A3B --device cuda
     # a SLURM array, one output per shard:

@@ -102,7 +102,8 @@ class VQA:
     def ask_many(self, items: Sequence[str | Mapping[str, Any]], *, fps: float | None = None,
                  max_frames: int | None = None, enable_thinking: bool | None = None,
                  **sampling: Any) -> list[Answer]:  # fmt: skip
-        """Answer several questions in one batched generation, in order.
+        """Answer several questions, in order. All go to the serving engine at once: it decodes as
+        many together as it has slots and starts the next as soon as one ends.
 
         Each item is a question string, or a dict with "question" and optionally "image", "images",
         "video", "videos", "fps", "max_frames" (as the arguments of `ask`; an item's fps / max_frames

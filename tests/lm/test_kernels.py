@@ -232,6 +232,21 @@ def test_decode_attention_kernel_equals_reference(monkeypatch, masked, heads, di
     assert rel_err(ours, reference) < 1e-5 and rel_err(ours, sdpa) < 1e-5
 
 
+def test_decode_attention_kernel_with_per_row_lengths(monkeypatch):
+    """The serving engine's ragged rows: row b attends over its first lengths[b] keys only."""
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 6, 64, generator=g)  # 6 query heads over 2 KV heads
+    k, v = torch.randn(3, 2, 20, 64, generator=g), torch.randn(3, 2, 20, 64, generator=g)
+    k[1, :, 9:] = v[1, :, 9:] = float("nan")  # beyond row 1's length: never read
+    lengths = torch.tensor([20, 9, 1])
+    ours = kernels._kernels().decode_attention(q, k, v, torch.empty(0, dtype=torch.bool), 0.125, lengths)
+    for b, n in enumerate(lengths.tolist()):
+        ref = F.scaled_dot_product_attention(q[b : b + 1, :, None], k[b : b + 1, :, :n], v[b : b + 1, :, :n],
+                                             scale=0.125, enable_gqa=True)[:, :, 0]  # fmt: skip
+        assert rel_err(ours[b : b + 1], ref) < 1e-5
+
+
 def test_kernels_reject_mismatched_weights_with_a_clear_error(monkeypatch):
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
     with pytest.raises(RuntimeError, match="unsupported weight dtype"):

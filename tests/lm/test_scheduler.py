@@ -168,8 +168,12 @@ def test_a_failing_prompt_fails_alone(lm_moe):
     engine.close()
 
 
-def test_stress_64_requests_from_many_threads(lm_moe):
-    engine = Engine(lm_moe, step_tokens=32, prefix_cache_bytes=1 << 20)
+def test_stress_64_requests_from_many_threads():
+    """On the built-in default model (its real vocabulary and architecture)."""
+    from app.default_model import default_model_path
+
+    lm_default = mm.load_model(default_model_path()).lm
+    engine = Engine(lm_default, step_tokens=32, prefix_cache_bytes=1 << 20)
     baseline = engine.store.nbytes()
     g = torch.Generator().manual_seed(13)
     specs = [(_prompt(100 + i, int(torch.randint(1, 60, (1,), generator=g))), int(torch.randint(1, 24, (1,), generator=g)))
@@ -194,7 +198,7 @@ def test_stress_64_requests_from_many_threads(lm_moe):
     for i, (ids, m) in enumerate(specs):
         assert len(results[i]) == m
     for i in range(0, 64, 8):  # a sample against one-at-a-time generation
-        assert results[i] == _alone(lm_moe, *specs[i])
+        assert results[i] == _alone(lm_default, *specs[i])
     stats = engine.stats()
     assert stats["finished"] == 64 and stats["running"] == stats["waiting"] == stats["prefilling"] == 0
     assert engine.store.lengths.sum() == 0 and engine.prefix.nbytes <= engine.prefix.max_bytes
