@@ -27,10 +27,11 @@ from starlette.exceptions import HTTPException
 from mm.processor import PromptTooLongError
 
 from . import serve_response as shape
-from .openai_protocol import APIError, ChatCompletionRequest, bad_request, parse_request
+from .openai_protocol import APIError, ChatCompletionRequest, NamedToolChoice, bad_request, parse_request
 from .loading import add_model_arguments, engine_options, load_pipeline, resolve_model
 from .reasoning import prompt_opens_thinking
 from .serve_backend import Backend, Generation, ServerBusy
+from .tool_choice import ToolCallRule
 from .serve_media import MediaPolicy
 from .serve_chat import ChatJob, Limits, build_conversation, sampling_params, template_inputs, tool_note
 
@@ -156,7 +157,11 @@ def _prepare(chat: ChatCompletionRequest, backend: Backend, limits: Limits) -> t
         prompt = backend.render_prompt(conversation, thinking, kwargs)
     except ValueError as error:
         raise bad_request(job.where(str(error)), "messages") from None
-    return job, prompt_opens_thinking(prompt)
+    in_thinking = prompt_opens_thinking(prompt)
+    if tools and (chat.tool_choice == "required" or isinstance(chat.tool_choice, NamedToolChoice)):
+        job.rule = ToolCallRule(backend.pipeline.processor.tokenizer, tools, backend.pipeline.model.eos_token_ids(),
+                                in_thinking=in_thinking)  # fmt: skip
+    return job, in_thinking
 
 
 async def _complete(model: str, record: _Record, events: AsyncIterator[Any], first: Any,

@@ -41,6 +41,7 @@ class ChatJob:
     tools: list[dict[str, Any]]
     include_reasoning: bool
     added_messages: int = 0  # messages put before the request's own (the tool_choice note's system turn)
+    rule: Any = None  # a constraint on each next token (app/tool_choice.py for tool_choice required / named)
 
     def where(self, message: str) -> str:
         """A processor error's "conversation 0, message M, part P" as the request's "messages[m].content[P]"."""
@@ -59,9 +60,6 @@ def sampling_params(request: ChatCompletionRequest, defaults: SamplingParams, ma
     """The request's sampling parameters over the checkpoint's defaults (generation_config.json)."""
     if request.n not in (None, 1):
         raise bad_request("n > 1 is not supported: ask for one choice per request", "n")
-    if request.frequency_penalty:
-        raise bad_request("frequency_penalty is not supported yet (use presence_penalty or repetition_penalty)",
-                          "frequency_penalty")  # fmt: skip
     if request.logprobs or request.top_logprobs:
         raise bad_request("logprobs are not supported", "logprobs")
     if request.logit_bias:
@@ -76,7 +74,8 @@ def sampling_params(request: ChatCompletionRequest, defaults: SamplingParams, ma
                           "(--max-model-len); ask for fewer", "max_tokens", "context_length_exceeded")  # fmt: skip
     values = dict(max_new_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
                   top_k=None if request.top_k is None else max(request.top_k, 0), min_p=request.min_p,
-                  presence_penalty=request.presence_penalty, repetition_penalty=request.repetition_penalty,
+                  presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+                  repetition_penalty=request.repetition_penalty,
                   seed=request.seed,
                   stop=[request.stop] if isinstance(request.stop, str) else request.stop)  # fmt: skip
     if any(not s for s in values["stop"] or []):
@@ -134,7 +133,8 @@ def build_conversation(request: ChatCompletionRequest, limits: Limits, note: str
 
 
 def tool_note(request: ChatCompletionRequest) -> str | None:
-    """What the system turn says for tool_choice "required" or a named function (no constrained decoding)."""
+    """What the system turn says for tool_choice "required" or a named function (decoding also
+    enforces it: app/tool_choice.py)."""
     if request.tool_choice == "required":
         return REQUIRED_TOOL_NOTE
     if isinstance(request.tool_choice, NamedToolChoice):

@@ -13,7 +13,8 @@ class SamplingParams:
 
     `repetition_penalty` (HF semantics) divides positive / multiplies negative logits of every token
     already in the prompt or output; `presence_penalty` (OpenAI/vLLM semantics) subtracts a constant
-    from tokens already generated. `stop` holds stop strings (checked on detokenised text by the
+    from tokens already generated, `frequency_penalty` (the same) that constant times how often each
+    was generated. `stop` holds stop strings (checked on detokenised text by the
     pipeline); `stop_token_ids` end a sequence when sampled, like the model's EOS tokens.
     """
 
@@ -27,6 +28,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default=())
     stop_token_ids: tuple[int, ...] = field(default=())
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,7 +91,31 @@ def _penalise(scores: torch.Tensor, p: SamplingParams, prompt: list[int], output
         seen = torch.tensor(sorted(set(output)), device=scores.device)
         scores = scores.clone()
         scores[seen] -= p.presence_penalty
+    if p.frequency_penalty and output:
+        counts = torch.bincount(torch.tensor(output, device=scores.device), minlength=scores.shape[-1])
+        scores = scores - p.frequency_penalty * counts[: scores.shape[-1]].to(scores.dtype)
     return scores
+
+
+@dataclass(frozen=True)
+class TokenRule:
+    """A constraint on one sampled token: only the ids in `allow` (when given), never those in `ban`.
+    The serving engine asks a request's rule before each of its tokens (e.g. the server's tool_choice)."""
+
+    allow: tuple[int, ...] | None = None
+    ban: tuple[int, ...] = ()
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] with every excluded token at -inf."""
+        if self.allow is not None:
+            keep = torch.tensor(self.allow, device=logits.device)
+            out = torch.full_like(logits, float("-inf"))
+            out[keep] = logits[keep]
+            logits = out
+        if self.ban:
+            logits = logits.clone()
+            logits[torch.tensor(self.ban, device=logits.device)] = float("-inf")
+        return logits
 
 
 def _candidates(scores: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,7 +44,7 @@ import torch
 
 from .model import CausalLM
 from .prefix_cache import PrefixCache
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, TokenRule
 from .slots import SlotStore, resumed, trimmed
 
 
@@ -79,8 +79,9 @@ class Request:
     """A submitted request. Iterate it (from any one thread) for its tokens as they come; it ends
     when the request finishes, and raises the engine's error if the request failed."""
 
-    def __init__(self, engine: "Engine", rid: int, prompt: Prompt, params: SamplingParams, stop_when):
+    def __init__(self, engine: "Engine", rid: int, prompt: Prompt, params: SamplingParams, stop_when, rule):
         self.engine, self.id, self.prompt, self.params, self.stop_when = engine, rid, prompt, params, stop_when
+        self.rule = rule
         self.tokens: list[int] = []  # written by the engine thread
         self.token_times: list[float] = []  # perf_counter() when each token was sampled
         self.finish_reason: str | None = None  # "stop", "length" or "cancelled"
@@ -185,9 +186,11 @@ class Engine:
 
     # -- any thread ----------------------------------------------------------------------------
     def submit(self, prompt: Prompt | Sequence[int], params: SamplingParams | None = None, *,
-               stop_when: Callable[[list[int]], bool] | None = None) -> Request:  # fmt: skip
+               stop_when: Callable[[list[int]], bool] | None = None,
+               rule: Callable[[list[int]], TokenRule | None] | None = None) -> Request:  # fmt: skip
         """Queue a request; returns its handle at once. `stop_when(tokens)` may end it early
-        ("stop"), e.g. on a stop string. RequestTooLargeError when it cannot fit in one slot."""
+        ("stop"), e.g. on a stop string; `rule(tokens)` may constrain its next token (a `TokenRule`,
+        or None: free). RequestTooLargeError when it cannot fit in one slot."""
         prompt = prompt if isinstance(prompt, Prompt) else Prompt(list(prompt))
         params = params or SamplingParams()
         t = len(prompt.token_ids)
@@ -204,7 +207,7 @@ class Engine:
         with self._cond:
             if self._closed:
                 raise EngineClosedError("the engine is closed")
-            request = Request(self, self._next_id, prompt, params, stop_when)
+            request = Request(self, self._next_id, prompt, params, stop_when, rule)
             self._next_id += 1
             self.counters["submitted"] += 1
             self._inbox.append(request)
@@ -369,8 +372,10 @@ class Engine:
         """Sample and emit one token; returns the finish reason when it ends the request (finished
         at once unless `finish` is False: then the caller frees the slot first)."""
         request = row.request
-        token = row.sampler(logits[None], [0], [request.tokens])[0]
         row.logits = logits
+        if request.rule is not None and (rule := request.rule(request.tokens)) is not None:
+            logits = rule.apply(logits)
+        token = row.sampler(logits[None], [0], [request.tokens])[0]
         request._token(token)
         reason = None
         if token in self.eos or token in request.params.stop_token_ids:

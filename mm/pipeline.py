@@ -113,12 +113,14 @@ class Pipeline:
             return self._engine
 
     def submit(self, conversation: Conversation, params: SamplingParams | None = None, *,
-               enable_thinking: bool | None = None, template_kwargs: dict[str, Any] | None = None) -> "Answer":  # fmt: skip
-        """Start one conversation's answer in the engine; returns at once (see `Answer`)."""
+               enable_thinking: bool | None = None, template_kwargs: dict[str, Any] | None = None,
+               rule=None) -> "Answer":  # fmt: skip
+        """Start one conversation's answer in the engine; returns at once (see `Answer`). `rule`:
+        a constraint on each next token (see `lm.scheduler.Engine.submit`)."""
         params = params or self.default_params()
         start = time.perf_counter()
         inputs = self.prepare([conversation], params, enable_thinking, template_kwargs)
-        return Answer(self, inputs, params, start)
+        return Answer(self, inputs, params, start, rule)
 
     def generate(self, conversations: Sequence[Conversation], params: SamplingParams | None = None, *,
                  enable_thinking: bool | None = None,
@@ -161,13 +163,13 @@ class Answer:
     """One conversation's answer in the engine: token bookkeeping, stop strings and incremental
     detokenisation. `request` is the engine's handle (iterate it for token ids)."""
 
-    def __init__(self, pipeline: Pipeline, inputs: ModelInputs, params: SamplingParams, start: float):
+    def __init__(self, pipeline: Pipeline, inputs: ModelInputs, params: SamplingParams, start: float, rule=None):
         self.pipeline, self.inputs, self.params, self.start = pipeline, inputs, params, start
         self.emitted = 0  # characters already streamed
         with torch.no_grad():
             prompt = engine_prompt(pipeline.model, inputs, pipeline.vision_cache, pipeline.assistant_start)
         stop = self._hit_stop_string if params.stop else None
-        self.request = pipeline.engine.submit(prompt, params, stop_when=stop)
+        self.request = pipeline.engine.submit(prompt, params, stop_when=stop, rule=rule)
 
     @property
     def tokens(self) -> list[int]:

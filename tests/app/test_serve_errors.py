@@ -3,6 +3,7 @@ an OpenAI error naming the problem (never a 500 for a client's mistake)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -47,7 +48,7 @@ def test_bad_fields_and_types(client):
     _refused(client, 400, "messages.0", "'robot'", messages=[{"role": "robot", "content": "x"}])
     _refused(client, 400, "messages.0.content", messages=[{"role": "user", "content": 5}])
     _refused(client, 400, "n > 1", n=2)
-    _refused(client, 400, "frequency_penalty", frequency_penalty=0.5)
+    assert _create(client, frequency_penalty=0.5).usage.completion_tokens == 3  # taken, not refused
     _refused(client, 400, "enable_thinking", extra_body={"chat_template_kwargs": {"enable_thinking": "no"}})
     _refused(client, 400, "No user query", messages=[{"role": "system", "content": "Only a system turn."}])
 
@@ -109,6 +110,34 @@ def test_keys_and_model_names(server, client):
     with pytest.raises(openai.NotFoundError) as caught:
         _create(client, model="gpt-4o")
     assert "'gpt-4o' does not exist" in caught.value.message
+
+
+TWO_TOOLS = TOOLS + [{"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}, "precise": {"type": "boolean"}}}}}]
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_tool_choice_named_and_required_give_a_call_even_from_a_random_model(client, thinking):
+    """Decoding enforces the call (app/tool_choice.py): the random default model's answer is one
+    well-formed call of an allowed tool, streamed or not."""
+    kwargs = dict(tools=TWO_TOOLS, max_tokens=120, temperature=0,
+                  extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})  # fmt: skip
+    if thinking:  # the random model never closes its thinking by itself: no call within max_tokens
+        reply = _create(client, tool_choice="required", **kwargs)
+        assert reply.choices[0].finish_reason == "length" and not reply.choices[0].message.tool_calls
+        return
+    named = _create(client, tool_choice={"type": "function", "function": {"name": "get_time"}}, **kwargs)
+    calls = named.choices[0].message.tool_calls
+    assert named.choices[0].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["get_time"]
+    assert set(json.loads(calls[0].function.arguments)) <= {"zone", "precise"}
+    required = _create(client, tool_choice="required", **kwargs)
+    calls = required.choices[0].message.tool_calls
+    assert calls and calls[0].function.name in {"get_weather", "get_time"}
+    stream = client.chat.completions.create(model="default", messages=HI, stream=True, tool_choice="required",
+                                            **kwargs)  # fmt: skip
+    streamed = [d.function.name for chunk in stream for d in (chunk.choices[0].delta.tool_calls or [])
+                if chunk.choices and d.function and d.function.name]  # fmt: skip
+    assert streamed == [calls[0].function.name]
 
 
 def test_tools_reach_the_template(client):

@@ -31,6 +31,17 @@ def test_repetition_and_presence_penalties():
     assert rep.tolist() == [1.0, -4.0, 1.0, 0.5]
     pres = _penalise(scores, SamplingParams(presence_penalty=1.5), prompt=[0], output=[2, 2])
     assert pres.tolist() == [2.0, -2.0, -0.5, 0.5]  # only generated tokens, once each
+    freq = _penalise(scores, SamplingParams(frequency_penalty=0.5), prompt=[0], output=[2, 2, 3])
+    assert freq.tolist() == [2.0, -2.0, 0.0, 0.0]  # times how often each was generated
+
+
+def test_token_rule_allows_and_bans():
+    from lm.sampling import TokenRule
+
+    logits = torch.tensor([1.0, 3.0, 2.0, 0.0])
+    assert int(TokenRule(allow=(0, 2)).apply(logits).argmax()) == 2
+    assert int(TokenRule(ban=(1,)).apply(logits).argmax()) == 2
+    assert TokenRule(allow=(3,)).apply(logits).isinf().sum() == 3
 
 
 def test_sampling_follows_the_distribution():

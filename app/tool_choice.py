@@ -1,0 +1,104 @@
+"""tool_choice "required" and a named function, enforced while decoding.
+
+`ToolCallRule` is a `rule` for the serving engine (lm/scheduler.py): before each token it says which
+tokens may come next, so that the answer is one well-formed Qwen3 XML call (app/tool_calls.py):
+
+    [thinking ... </think>\\n\\n]<tool_call>\\n<function=NAME>\\n
+    (<parameter=P>\\n VALUE \\n</parameter>\\n)*  </function>\\n</tool_call>  <end of turn>
+
+- the thinking (when the prompt opened it) is free, up to `</think>`;
+- the fixed parts are forced token by token; NAME is one of the allowed tools and P one of that
+  tool's parameters (a choice among the tokenisations of the alternatives);
+- a VALUE is free text, ended by the model's `\\n</parameter>`, or forced closed after
+  `value_tokens` tokens; the turn cannot end inside the call;
+- after `</tool_call>` the turn ends.
+
+Values are not checked against their JSON schema types (the parser keeps a value that does not fit
+its type as a string).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lm.sampling import TokenRule
+
+
+class ToolCallRule:
+    def __init__(self, tokenizer, tools: list[dict[str, Any]], end_ids: tuple[int, ...], *, in_thinking: bool,
+                 value_tokens: int = 512):  # fmt: skip
+        self.encode = lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+        self.decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)
+        self.params = {t["function"]["name"]: list((t["function"].get("parameters") or {}).get("properties") or {})
+                       for t in tools}  # fmt: skip
+        self.end_ids, self.value_tokens = tuple(end_ids), value_tokens
+        self.seen = 0  # tokens of the answer already processed
+        self.state = "thinking" if in_thinking else "open"
+        self.tool: str | None = None
+        self.forcing: list[tuple[tuple[int, ...], str]] = []  # (token ids, what comes after) alternatives
+        self.taken: list[int] = []  # tokens into the alternatives so far
+        self.value: list[int] = []
+        if not in_thinking:
+            self._expect([(self.encode("<tool_call>\n<function="), "name")])
+
+    def __call__(self, tokens: list[int]) -> TokenRule | None:
+        for i in range(self.seen, len(tokens)):
+            self._advance(tokens[i], tokens[max(0, i - 7) : i + 1])
+        self.seen = len(tokens)
+        return self._rule()
+
+    # -- the state machine ---------------------------------------------------------------------
+    def _expect(self, alternatives: list[tuple[tuple[int, ...], str]]) -> None:
+        self.forcing, self.taken = alternatives, []
+
+    def _advance(self, token: int, recent: list[int]) -> None:
+        """Take the answer's next token (`recent`: the last few tokens, ending with it)."""
+        if self.state == "thinking":
+            if "</think>" in self.decode(recent):
+                self.state = "open"
+                self._expect([(self.encode("\n\n<tool_call>\n<function="), "name")])
+            return
+        if self.forcing:
+            self.taken.append(token)
+            for ids, after in self.forcing:
+                if tuple(self.taken) == ids:
+                    self._then(after)
+                    return
+            return
+        if self.state == "value":
+            self.value.append(token)
+            if self.decode(self.value).endswith("\n</parameter>"):
+                self._parameters()
+            elif len(self.value) >= self.value_tokens:
+                self._expect([(self.encode("\n</parameter>\n"), "parameters")])
+
+    def _then(self, after: str) -> None:
+        self.forcing, self.taken = [], []
+        if after == "name":
+            self.state = "name"
+            self._expect([(self.encode(f"{name}>\n"), f"tool:{name}") for name in self.params])
+        elif after.startswith("tool:"):
+            self.tool = after[5:]
+            self._parameters()
+        elif after == "parameters":
+            self._parameters()
+        elif after.startswith("value"):
+            self.state, self.value = "value", []
+        elif after == "end":
+            self.state = "end"
+
+    def _parameters(self) -> None:
+        self.state = "parameters"
+        options = [(self.encode(f"<parameter={p}>\n"), "value") for p in self.params[self.tool]]
+        self._expect(options + [(self.encode("</function>\n</tool_call>"), "end")])
+
+    def _rule(self) -> TokenRule | None:
+        if self.state == "thinking":
+            return None
+        if self.state == "end":
+            return TokenRule(allow=self.end_ids)
+        if self.forcing:
+            n = len(self.taken)
+            allow = {ids[n] for ids, _ in self.forcing if len(ids) > n and ids[:n] == tuple(self.taken)}
+            return TokenRule(allow=tuple(sorted(allow)))
+        return TokenRule(ban=self.end_ids)  # inside a value: the turn cannot end here
