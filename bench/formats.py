@@ -39,14 +39,20 @@ def make_checkpoint(path: Path, vocab: int) -> Path:
     config = transformers.AutoConfig.for_model(**dict(CONFIG, vocab_size=vocab))
     torch.manual_seed(0)
     model = transformers.Qwen3_5MoeForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-            else:
-                p.copy_(torch.randn_like(p, dtype=torch.float32).mul_(0.6 / p.shape[-1] ** 0.5).to(p.dtype))
+    real_like(model)
     model.save_pretrained(path)
     return path
+
+
+@torch.no_grad()
+def real_like(model) -> None:
+    """Random weights of a real-like scale in place (as ../shared/peers/make_model.py): vectors
+    (norms, biases, gates) near their init, matrices N(0, 0.6^2 / fan_in)."""
+    for p in model.parameters():
+        if p.dim() == 1:
+            p.add_(torch.randn_like(p) * 0.1)
+        else:
+            p.copy_(torch.randn_like(p, dtype=torch.float32).mul_(0.6 / p.shape[-1] ** 0.5).to(p.dtype))
 
 
 def decode(model, batch: int, new: int, read: ReadBandwidth) -> tuple[float, float, float]:

@@ -19,6 +19,7 @@ import torch
 import transformers
 
 from app.default_model import default_model_path
+from bench.formats import real_like
 
 REFERENCE = Path(__file__).resolve().parents[1] / ".." / "shared" / "reference" / "qwen3.5-0.8b.config.json"
 DROP = ("dtype", "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "mamba_ssm_dtype", "use_cache")
@@ -29,12 +30,7 @@ def main(out: Path) -> None:
     text["max_position_embeddings"] = 32768
     torch.manual_seed(0)
     model = transformers.Qwen3_5ForCausalLM._from_config(transformers.Qwen3_5TextConfig(**text), dtype=torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-            else:
-                p.copy_(torch.randn_like(p, dtype=torch.float32).mul_(0.6 / p.shape[-1] ** 0.5).to(p.dtype))
+    real_like(model)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size="4GB")
     source = default_model_path()
