@@ -38,7 +38,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -147,7 +147,7 @@ class _Row:
     done: int = 0  # prompt tokens in the cache
     next_pos: int = 0
     logits: torch.Tensor | None = None  # of the last position in the cache
-    extra: dict = field(default_factory=dict)
+    reason: str | None = None  # why it ended, once it has (set before its slot is freed)
 
 
 def default_prefix_cache_bytes() -> int:
@@ -328,7 +328,7 @@ class Engine:
         self.counters["prefill_tokens"] += end - start
         t = len(row.key)
         if end < t:
-            if end in row.stops:
+            if end in row.stops and self.prefix.max_bytes:
                 self.prefix.insert(row.key[:end], trimmed(row.cache, copy=True), logits)
             return end - start
         self.prefix.insert(row.key, trimmed(row.cache, copy=False), logits)
@@ -363,10 +363,10 @@ class Engine:
                 ended.append(i)
         for i in reversed(ended):
             row = self._running[i]
-            if self.snapshot_generations and len(row.request.tokens) >= 2:
+            if self.snapshot_generations and self.prefix.max_bytes and len(row.request.tokens) >= 2:
                 key = row.key + tuple(row.request.tokens[:-1])
                 self.prefix.insert(key, self.store.save(i), row.logits)
-            self._finish(self._remove(i), row.extra.pop("reason"))
+            self._finish(self._remove(i), row.reason)
 
     def _sample(self, row: _Row, logits: torch.Tensor, finish: bool = True) -> str | None:
         """Sample and emit one token; returns the finish reason when it ends the request (finished
@@ -388,7 +388,7 @@ class Engine:
             if finish:
                 self._finish(row, reason)
             else:
-                row.extra["reason"] = reason
+                row.reason = reason
         return reason
 
     def _remove(self, i: int) -> _Row:
