@@ -10,8 +10,9 @@ are sampled, or `cancel()` it. Each engine step:
 3. spends the rest of the step's token budget (`step_tokens`, default 128, minus the running rows)
    on the prompt at the head of the queue, in chunks: a long prompt arriving costs the running
    streams at most one chunk of prefill per token. With no stream running, a chunk is
-   `prefill_chunk` tokens (1024), for throughput. A prompt that finishes samples its first token
-   and takes the next free slot.
+   `prefill_chunk` tokens (1024), for throughput. Short text prompts without a cached prefix that
+   wait together are prefilled together, left-padded in one forward. A prompt that finishes
+   samples its first token and takes the next free slot.
 
 Memory is bounded: `max_batch` slots (8: the decode kernels' row limit) of at most `max_len`
 positions each (SlotStore), one prompt in prefill at a time, and the prefix cache's byte budget.
@@ -45,7 +46,7 @@ import torch
 from .model import CausalLM
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams, TokenRule
-from .slots import SlotStore, resumed, trimmed
+from .slots import SlotStore, batch1_cache, resumed, trimmed
 
 
 class RequestTooLargeError(ValueError):
@@ -173,8 +174,8 @@ class Engine:
         device = lm.lm_head.weight.device
         self.store = SlotStore(lm.config, max_batch, self.max_len, device=device, dtype=lm.compute_dtype)
         self.prefix = PrefixCache(default_prefix_cache_bytes() if prefix_cache_bytes is None else prefix_cache_bytes)
-        self.counters = dict(steps=0, decode_tokens=0, prefill_tokens=0, submitted=0, finished=0, cancelled=0,
-                             failed=0)  # fmt: skip
+        self.counters = dict(steps=0, decode_tokens=0, prefill_tokens=0, grouped_prefills=0, submitted=0, finished=0,
+                             cancelled=0, failed=0)  # fmt: skip
         self._cond = threading.Condition()
         self._inbox: deque[Request] = deque()
         self._waiting: deque[_Row] = deque()
@@ -277,7 +278,11 @@ class Engine:
             if self._prefilling is None:
                 if not self._waiting or len(self._running) >= self.max_batch:
                     break
-                self._start_prefill(self._waiting.popleft())
+                group = self._cold_group(budget)
+                if len(group) >= 2:
+                    budget -= self._prefill_group(group)
+                else:
+                    self._start_prefill(self._waiting.popleft())
                 continue
             row = self._prefilling
             try:
@@ -315,6 +320,61 @@ class Engine:
         else:
             row.cache, row.done = self.lm.make_cache(1, t), 0
         self._prefilling = row
+
+    def _cold_group(self, budget: int) -> list[_Row]:
+        """The waiting text prompts at the head of the queue that can be prefilled together in one
+        left-padded forward: none has a cached prefix, they fit the free slots, and the padded
+        batch fits the budget. (Each prefill chunk pays a fixed cost, e.g. converting bf16 weights
+        to float32 once per chunk; several short prompts in one chunk pay it once.)"""
+        group: list[_Row] = []
+        longest = 0
+        for row in self._waiting:
+            t = len(row.key)
+            fits = len(self._running) + len(group) < self.max_batch and (len(group) + 1) * max(longest, t) <= budget
+            if not fits or row.request.prompt.positions is not None or self.prefix.lookup(row.key, count=False):
+                break
+            group.append(row)
+            longest = max(longest, t)
+        return group
+
+    def _prefill_group(self, group: list[_Row]) -> int:
+        """Prefill `group` (see `_cold_group`) in one forward; each row then decodes from its slot.
+        Left padding leaves each row's state exactly as alone (padding writes nothing into the
+        DeltaNet states and is masked in attention)."""
+        for _ in group:
+            self._waiting.popleft()
+        b, width = len(group), max(len(r.key) for r in group)
+        embeds = torch.zeros(b, width, self.lm.config.hidden_size, dtype=self.lm.compute_dtype, device=self.store.device)
+        mask = torch.zeros(b, width, dtype=torch.long, device=self.store.device)
+        live = []
+        for i, row in enumerate(group):
+            row.request.times["admitted"] = time.perf_counter()
+            row.request.admitted.set()
+            self.prefix.lookup(row.key)  # counted: a miss
+            p, t = row.request.prompt, len(row.key)
+            try:
+                embeds[i, width - t :] = (p.embed(0, t) if p.embed is not None else
+                                          self.lm.embed(torch.tensor([p.token_ids], device=self.store.device)))[0]  # fmt: skip
+            except Exception as error:  # noqa: BLE001 - this prompt fails alone
+                self._finish(row, None, error)
+                continue
+            mask[i, width - t :] = 1
+            live.append(i)
+        cache = self.lm.make_cache(b, width)
+        logits = self.lm(inputs_embeds=embeds, attention_mask=mask, cache=cache, last_only=True)[:, -1]
+        self.counters["prefill_tokens"] += int(mask.sum())
+        self.counters["grouped_prefills"] += 1
+        for i in live:
+            row, t = group[i], len(group[i].key)
+            kv = {j: (s.k[i : i + 1, :, width - t :], s.v[i : i + 1, :, width - t :])
+                  for j, s in cache.slots.items() if hasattr(s, "k")}  # fmt: skip
+            linear = {j: (s.conv[i : i + 1], s.recurrent[i : i + 1]) for j, s in cache.slots.items() if not hasattr(s, "k")}
+            state = batch1_cache(kv, linear, t)
+            if self.prefix.max_bytes:
+                self.prefix.insert(row.key, trimmed(state, copy=True), logits[i])
+            row.done, row.logits = t, logits[i]
+            self._begin_decoding(row, state)
+        return b * width
 
     def _prefill(self, row: _Row, budget: int) -> int:
         """One chunk of the row's prompt (ending at the next snapshot point); returns its tokens."""

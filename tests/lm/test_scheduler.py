@@ -54,6 +54,19 @@ def test_continuous_batching_equals_one_at_a_time(request, which):
     engine.close()
 
 
+def test_prompts_waiting_together_are_prefilled_together(lm_moe):
+    engine = Engine(lm_moe, max_batch=4, prefix_cache_bytes=1 << 20)
+    specs = [(_prompt(60 + i, n), m) for i, (n, m) in enumerate([(5, 8), (23, 4), (11, 12), (2, 6), (17, 9)])]
+    with engine._cond:  # the engine thread waits: all five are queued at its first step
+        handles = [engine.submit(ids, SamplingParams(max_new_tokens=m)) for ids, m in specs]
+    outs = [h.result() for h in handles]
+    assert engine.counters["grouped_prefills"] >= 1
+    assert outs == [_alone(lm_moe, ids, m) for ids, m in specs]
+    again = engine.submit(specs[1][0], SamplingParams(max_new_tokens=4))  # its end-of-prompt snapshot
+    assert again.result() == outs[1] and again.cached_tokens == len(specs[1][0])
+    engine.close()
+
+
 def test_ragged_decode_on_the_reference_path(lm_moe, monkeypatch):
     """The layers' own ragged path (no C++ kernels: e.g. CUDA) gives the same tokens."""
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "0")
