@@ -24,8 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_decode", &moe_decode, "a sparse MoE block (router, experts, shared expert) for a few rows");
   m.def("expert_mlp", &expert_mlp, "tokens through their selected experts, weighted and summed (prefill)");
   m.def("chunked_delta_rule", &chunked_delta_rule, "chunked gated delta rule, heads side by side (prefill)");
-  m.def("decode_attention", &decode_attention, "one query token per row over the KV cache (GQA)", py::arg("q"),
-        py::arg("k"), py::arg("v"), py::arg("keep"), py::arg("scale"), py::arg("lengths") = at::Tensor());
+  m.def("decode_attention", &decode_attention,
+        "one query token per row over the KV cache (GQA); lengths [B] int64 per row, or empty: all keys");
   m.def("rms_norm", &rms_norm, "x / rms(x) * (offset + w) per row");
   m.def("causal_conv", &causal_conv, "depthwise causal conv + SiLU along time, one pass (prefill)");
   py::class_<DecodePlan>(m, "DecodePlan", "a whole decode step through the layer stack (see kernels.h)")

@@ -111,7 +111,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor
   TORCH_CHECK(KV > 0 && H % KV == 0 && L > 0, "query heads must be a multiple of the KV heads");
   const bool masked = keep.numel() > 0;
   if (masked) TORCH_CHECK(keep.scalar_type() == at::kBool && keep.is_contiguous() && keep.numel() == B * L, "bad mask");
-  const bool ragged = lengths.defined() && lengths.numel() > 0;
+  const bool ragged = lengths.numel() > 0;
   if (ragged)
     TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.numel() == B && lengths.is_contiguous(), "bad lengths");
   const int64_t* lp = ragged ? lengths.data_ptr<int64_t>() : nullptr;
