@@ -67,6 +67,18 @@ def test_text_turns_stream_and_continue(client):
     assert second[:2] == history
 
 
+def test_users_share_the_engine_and_turns_reuse_the_prefix_cache(pipeline, client):
+    """The queue lets as many generations run as the engine has slots (one batch), and a chat's
+    second turn resumes from its first through the prefix cache."""
+    assert build_demo(pipeline)._queue.default_concurrency_limit == pipeline.engine.max_batch > 1
+    jobs = [client.submit({"text": f"User {i}", "files": []}, [], *CONTROLS, api_name="/chat") for i in range(3)]
+    histories = [job.result(timeout=120)[1] for job in jobs]
+    assert all(texts(h[-1]) for h in histories)
+    hits = pipeline.engine.prefix.stats()["hit_tokens"]
+    chat(client, "And then?", history=histories[0])
+    assert pipeline.engine.prefix.stats()["hit_tokens"] > hits
+
+
 def test_image_video_and_thinking_turns(client, media):
     history, _ = chat(client, "What is this?", files=[media["image"], media["image"]])
     assert [part["type"] for part in history[0]["content"]] == ["file", "file", "text"]
