@@ -20,10 +20,12 @@ inline bool& int8_activations() {
   return on;
 }
 
-// x rows [M, K] (K % 32 == 0) in Q8_0 blocks: int8 quants and one float scale per block.
+// x rows [M, K] (K % 32 == 0) in Q8_0 blocks: int8 quants and one float scale per block, and per
+// block 8 d sum(q): Q4_0 weights are w = dw (u - 8) with u in [0, 15], so w . x = dw (d u . q - 8 d
+// sum(q)), and the unsigned u go into vpmaddubsw as they are (no sign tricks per block).
 struct QuantizedX {
   std::vector<int8_t> q;
-  std::vector<float> d;
+  std::vector<float> d, offset;
   int64_t K = 0;
 };
 
@@ -31,6 +33,7 @@ inline void quantize_x(const float* x, int64_t M, int64_t ldx, int64_t K, Quanti
   out.K = K;
   out.q.resize(M * K);
   out.d.resize(M * K / QK);
+  out.offset.resize(M * K / QK);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / QK; ++b) {
       const float* xb = x + m * ldx + b * QK;
@@ -38,19 +41,20 @@ inline void quantize_x(const float* x, int64_t M, int64_t ldx, int64_t K, Quanti
       for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(xb[j]));
       const float d = amax / 127.f, id = d == 0.f ? 0.f : 1.f / d;
       int8_t* q = out.q.data() + m * K + b * QK;
-      for (int j = 0; j < QK; ++j) q[j] = int8_t(std::nearbyint(xb[j] * id));
+      int sum = 0;
+      for (int j = 0; j < QK; ++j) sum += q[j] = int8_t(std::nearbyint(xb[j] * id));
       out.d[m * (K / QK) + b] = d;
+      out.offset[m * (K / QK) + b] = 8.f * d * float(sum);
     }
 }
 
 #if defined(__AVX2__)
 constexpr bool INT8_DOT = true;
 
-inline __m256i weights_i8(Fmt f, const uint8_t* p) {  // the 32 signed weights of the block at p
-  if (f == Q8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+inline __m256i nibbles(const uint8_t* p) {  // the 32 unsigned quants u in [0, 15] of the Q4_0 block at p
   const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2));
   const __m256i both = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);  // low nibbles: weights 0-15; high: 16-31
-  return _mm256_sub_epi8(_mm256_and_si256(both, _mm256_set1_epi8(15)), _mm256_set1_epi8(8));
+  return _mm256_and_si256(both, _mm256_set1_epi8(15));
 }
 
 inline float hsum8(__m256 v) {
@@ -67,16 +71,24 @@ inline void dot_row_i8(const QuantizedX& x, const uint8_t* w, float* y, int64_t 
   const int64_t K = x.K, nb = K / QK;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R][C];
+  float offset[R][C] = {};  // Q4_0: sum of dw * 8 dx sum(xq) (see QuantizedX)
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   auto step = [&](int64_t b, int c) {
     const uint8_t* p = w + b * bytes;
     __builtin_prefetch(p + PREFETCH_BYTES, 0, 3);
     const float dw = half_to_float(p);
-    const __m256i wq = weights_i8(F, p), wabs = _mm256_sign_epi8(wq, wq);
     for (int r = 0; r < R; ++r) {
       const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + r * K + b * QK));
-      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xq, wq)), ones);
+      __m256i pairs;
+      if constexpr (F == Q8_0) {  // signed weights: |w| times x with w's sign
+        const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+        pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
+      } else {  // unsigned quants u straight in; the -8 offset is subtracted once per block below
+        pairs = _mm256_maddubs_epi16(nibbles(p), xq);
+        offset[r][c] += dw * x.offset[r * nb + b];
+      }
+      const __m256i dot = _mm256_madd_epi16(pairs, ones);
       acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * x.d[r * nb + b]), acc[r][c]);
     }
   };
@@ -86,8 +98,9 @@ inline void dot_row_i8(const QuantizedX& x, const uint8_t* w, float* y, int64_t 
   for (; b < nb; ++b) step(b, 0);
   for (int r = 0; r < R; ++r) {
     __m256 t = acc[r][0];
-    for (int c = 1; c < C; ++c) t = _mm256_add_ps(t, acc[r][c]);
-    y[r * ldy] = hsum8(t);
+    float o = offset[r][0];
+    for (int c = 1; c < C; ++c) t = _mm256_add_ps(t, acc[r][c]), o += offset[r][c];
+    y[r * ldy] = hsum8(t) - o;
   }
 }
 
