@@ -82,7 +82,7 @@ class ToolCallRule:
             self._parameters()
         elif after == "parameters":
             self._parameters()
-        elif after.startswith("value"):
+        elif after == "value":
             self.state, self.value = "value", []
         elif after == "end":
             self.state = "end"

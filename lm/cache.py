@@ -74,18 +74,26 @@ class Cache:
                 self.slots[i] = LinearSlot(conv, state)
 
     @classmethod
+    def over(cls, kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
+             linear: dict[int, tuple[torch.Tensor, torch.Tensor]], *, length: int, max_len: int) -> "Cache":
+        """An unpadded cache over existing tensors (views, written in place) with `length` positions
+        written: `kv` maps each full-attention layer to its (k, v) [B, KV, >=length, D], `linear` each
+        DeltaNet layer to its (conv, recurrent). (lm/slots.py: a slot's state, a snapshot.)"""
+        self = cls.__new__(cls)
+        self.max_len, self.length, self.lengths = max_len, length, None
+        first = next(iter({**kv, **linear}.values()))[0]
+        self.key_mask = torch.ones(first.shape[0], max_len, dtype=torch.bool, device=first.device)
+        slots = {i: KVSlot(self, k, v) for i, (k, v) in kv.items()}
+        self.slots = dict(sorted({**slots, **{i: LinearSlot(*pair) for i, pair in linear.items()}}.items()))
+        return self
+
+    @classmethod
     def ragged(cls, kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
                linear: dict[int, tuple[torch.Tensor, torch.Tensor]], lengths: torch.Tensor, max_len: int) -> "Cache":
-        """A ragged cache over existing storage (views, written in place): `kv` maps each full-attention
-        layer to its (k, v) [B, KV, max_len, D], `linear` each DeltaNet layer to its (conv, recurrent);
-        `lengths` [B] int64 is each row's count of positions written, advanced in place by each forward."""
-        self = cls.__new__(cls)
-        self.max_len, self.lengths = max_len, lengths
-        self.length = int(lengths.max()) if lengths.numel() else 0
-        self.key_mask = torch.ones(lengths.shape[0], 0, dtype=torch.bool, device=lengths.device)
-        self.slots = {i: KVSlot(self, k, v) for i, (k, v) in kv.items()}
-        self.slots.update({i: LinearSlot(conv, state) for i, (conv, state) in linear.items()})
-        self.slots = dict(sorted(self.slots.items()))
+        """A ragged cache over existing storage (as `over`, k and v [B, KV, max_len, D]): `lengths`
+        [B] int64 is each row's count of positions written, advanced in place by each forward."""
+        self = cls.over(kv, linear, length=int(lengths.max()) if lengths.numel() else 0, max_len=0)
+        self.max_len, self.lengths = max_len, lengths  # no key mask: rows have no padding
         return self
 
     @property

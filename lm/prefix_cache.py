@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from .cache import Cache
-from .slots import cache_nbytes
 
 
 @dataclass
@@ -65,13 +64,17 @@ class PrefixCache:
                 self._entries.move_to_end((length, hash(entry.key)))
                 break
         if count:
-            self.lookup_tokens += len(key)
-            if best is None:
-                self.misses += 1
-            else:
-                self.hits += 1
-                self.hit_tokens += len(best.key)
+            self.count(len(key), len(best.key) if best is not None else 0)
         return best
+
+    def count(self, tokens: int, reused: int) -> None:
+        """Record a lookup of `tokens` prompt tokens that reused `reused` of them (0: a miss)."""
+        self.lookup_tokens += tokens
+        if reused:
+            self.hits += 1
+            self.hit_tokens += reused
+        else:
+            self.misses += 1
 
     def shared_length(self, key: Sequence[int]) -> int:
         """The longest prefix `key` shares with any stored snapshot's key (not necessarily a whole
@@ -95,7 +98,7 @@ class PrefixCache:
         if slot in self._entries:
             self._entries.move_to_end(slot)
             return True
-        nbytes = cache_nbytes(state) + logits.numel() * logits.element_size()
+        nbytes = state.nbytes() + logits.numel() * logits.element_size()
         if nbytes > self.max_bytes:
             return False
         while self.nbytes + nbytes > self.max_bytes:

@@ -46,7 +46,7 @@ import torch
 from .model import CausalLM
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams, TokenRule
-from .slots import SlotStore, batch1_cache, resumed, trimmed
+from .slots import SlotStore, resumed, row_state, trimmed
 
 
 class RequestTooLargeError(ValueError):
@@ -122,6 +122,10 @@ class Request:
         return self._finished.is_set()
 
     # engine side
+    def _admit(self) -> None:
+        self.times["admitted"] = time.perf_counter()
+        self.admitted.set()
+
     def _token(self, token: int) -> None:
         self.tokens.append(token)
         self.token_times.append(time.perf_counter())
@@ -231,10 +235,6 @@ class Engine:
                     prefilling=int(self._prefilling is not None), slot_bytes=self.store.nbytes(),
                     slot_max_bytes=self.store.max_bytes(), prefix=self.prefix.stats())  # fmt: skip
 
-    def idle(self) -> bool:
-        with self._cond:
-            return not (self._inbox or self._waiting or self._prefilling or self._running)
-
     def _wake(self) -> None:
         with self._cond:
             self._cond.notify()
@@ -304,8 +304,7 @@ class Engine:
 
     def _start_prefill(self, row: _Row) -> None:
         t = len(row.key)
-        row.request.times["admitted"] = time.perf_counter()
-        row.request.admitted.set()
+        row.request._admit()
         snap = self.prefix.lookup(row.key)
         row.request.cached_tokens = len(snap.key) if snap is not None else 0
         if snap is not None and len(snap.key) == t:  # the whole prompt is cached: decode at once
@@ -348,13 +347,11 @@ class Engine:
         mask = torch.zeros(b, width, dtype=torch.long, device=self.store.device)
         live = []
         for i, row in enumerate(group):
-            row.request.times["admitted"] = time.perf_counter()
-            row.request.admitted.set()
-            self.prefix.lookup(row.key)  # counted: a miss
-            p, t = row.request.prompt, len(row.key)
+            row.request._admit()
+            t = len(row.key)
+            self.prefix.count(t, 0)  # _cold_group found no cached prefix
             try:
-                embeds[i, width - t :] = (p.embed(0, t) if p.embed is not None else
-                                          self.lm.embed(torch.tensor([p.token_ids], device=self.store.device)))[0]  # fmt: skip
+                embeds[i, width - t :] = self._embeds(row.request.prompt, 0, t)[0]
             except Exception as error:  # noqa: BLE001 - this prompt fails alone
                 self._finish(row, None, error)
                 continue
@@ -366,10 +363,7 @@ class Engine:
         self.counters["grouped_prefills"] += 1
         for i in live:
             row, t = group[i], len(group[i].key)
-            kv = {j: (s.k[i : i + 1, :, width - t :], s.v[i : i + 1, :, width - t :])
-                  for j, s in cache.slots.items() if hasattr(s, "k")}  # fmt: skip
-            linear = {j: (s.conv[i : i + 1], s.recurrent[i : i + 1]) for j, s in cache.slots.items() if not hasattr(s, "k")}
-            state = batch1_cache(kv, linear, t)
+            state = row_state(cache, i, width - t)
             if self.prefix.max_bytes:
                 self.prefix.insert(row.key, trimmed(state, copy=True), logits[i])
             row.done, row.logits = t, logits[i]
@@ -380,10 +374,9 @@ class Engine:
         """One chunk of the row's prompt (ending at the next snapshot point); returns its tokens."""
         p, start = row.request.prompt, row.done
         end = min(start + budget, next(s for s in row.stops if s > start))
-        embeds = p.embed(start, end) if p.embed is not None else None
-        ids = None if embeds is not None else torch.tensor([p.token_ids[start:end]], device=self.store.device)
         positions = p.positions[:, None, start:end] if p.positions is not None else None
-        logits = self.lm(ids, inputs_embeds=embeds, positions=positions, cache=row.cache, last_only=True)[0, -1]
+        logits = self.lm(inputs_embeds=self._embeds(p, start, end), positions=positions, cache=row.cache,
+                         last_only=True)[0, -1]  # fmt: skip
         row.done, row.logits = end, logits
         self.counters["prefill_tokens"] += end - start
         t = len(row.key)
@@ -396,6 +389,12 @@ class Engine:
         self._begin_decoding(row, row.cache)
         row.cache = None
         return end - start
+
+    def _embeds(self, prompt: Prompt, start: int, end: int) -> torch.Tensor:
+        """Input embeddings [1, end - start, hidden] of the prompt's tokens [start, end)."""
+        if prompt.embed is not None:
+            return prompt.embed(start, end)
+        return self.lm.embed(torch.tensor([prompt.token_ids[start:end]], device=self.store.device))
 
     def _begin_decoding(self, row: _Row, state) -> None:
         """The prompt is in `state` and its last logits in row.logits: sample the first token and,

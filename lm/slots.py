@@ -130,12 +130,18 @@ class SlotStore:
 
 
 def batch1_cache(kv: dict, linear: dict, length: int) -> Cache:
-    """A plain (non-ragged) batch-1 cache of `length` positions over the given tensors."""
-    cache = Cache.ragged(kv, linear, torch.tensor([length]), length)
-    cache.lengths = None  # one row: the shared write position is the row's
-    cache.key_mask = torch.ones(1, length, dtype=torch.bool)
-    cache.length = length
-    return cache
+    """A plain batch-1 cache of exactly `length` positions over the given tensors."""
+    return Cache.over(kv, linear, length=length, max_len=length)
+
+
+def row_state(cache: Cache, row: int, start: int) -> Cache:
+    """Row `row` of a batch cache as a batch-1 cache (views) of its positions [start, cache.length):
+    e.g. one prompt of a left-padded batch, `start` its padding."""
+    kv = {i: (s.k[row : row + 1, :, start : cache.length], s.v[row : row + 1, :, start : cache.length])
+          for i, s in cache.slots.items() if isinstance(s, KVSlot)}  # fmt: skip
+    linear = {i: (s.conv[row : row + 1], s.recurrent[row : row + 1])
+              for i, s in cache.slots.items() if not isinstance(s, KVSlot)}  # fmt: skip
+    return batch1_cache(kv, linear, cache.length - start)
 
 
 def trimmed(cache: Cache, *, copy: bool) -> Cache:
@@ -164,12 +170,4 @@ def resumed(state: Cache, max_len: int) -> Cache:
             kv[i] = (k, v)
         else:
             linear[i] = (slot.conv.clone(), slot.recurrent.clone())
-    cache = batch1_cache(kv, linear, length)
-    cache.max_len = max_len
-    cache.key_mask = torch.ones(1, max_len, dtype=torch.bool)
-    return cache
-
-
-def cache_nbytes(cache: Cache) -> int:
-    return sum(t.numel() * t.element_size() for s in cache.slots.values()
-               for t in ((s.k, s.v) if isinstance(s, KVSlot) else (s.conv, s.recurrent)))  # fmt: skip
+    return Cache.over(kv, linear, length=length, max_len=max_len)

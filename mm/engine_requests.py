@@ -81,7 +81,7 @@ def engine_prompt(model: VLModel, inputs: ModelInputs, vision_cache: VisionCache
     cfg = model.config
     ids_t = inputs.input_ids
     ids = ids_t[0].tolist()
-    merge = cfg.vision.spatial_merge_size**2 if cfg.vision is not None else 1
+    merge = cfg.spatial_merge_size**2
     media = [(cfg.image_token_id, _items(inputs.pixel_values, inputs.image_grid_thw), "image"),
              (cfg.video_token_id, _items(inputs.pixel_values_videos, inputs.video_grid_thw), "video")]  # fmt: skip
     key = list(ids)
