@@ -62,8 +62,12 @@ def test_full_engine_timeout_and_cancel(pipeline):
             await anext(backend.start(_job(pipeline, "Me too?", 2)).events())
         assert 0.4 < time.monotonic() - start < 5
         backend.queue_timeout = 60
-        queued = [backend.start(_job(pipeline, f"Number {i}", 2)) for i in range(3)]
-        await asyncio.sleep(0.3)
+        queued = []
+        for i in range(3):  # one after another into the engine's queue
+            queued.append(backend.start(_job(pipeline, f"Number {i}", 2)))
+            deadline = time.monotonic() + 30
+            while backend.pipeline.engine.stats()["waiting"] < i + 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
         assert backend.waiting == 3
         order: list[int] = []
 
@@ -77,7 +81,7 @@ def test_full_engine_timeout_and_cancel(pipeline):
         rest = [item async for item in events]
         assert all(isinstance(item, str) for item in rest)  # cancelled: it ends with no Output
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
-        assert sorted(order) == [0, 1, 2]
+        assert order == [0, 1, 2]  # first come, first served
         assert backend.running == 0 and backend.waiting == 0
 
     asyncio.run(scenario())
