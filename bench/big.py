@@ -45,6 +45,7 @@ def build(weights: str) -> tuple[VLModel, dict]:
         model = VLModel(config)
     shapes = {n: tuple(p.shape) for n, p in model.lm.named_parameters(remove_duplicate=False)}
     formats = policy.plan(shapes, weights, torch.bfloat16)
+    model.visual.store_matrices_in(policy.vision_dtype(weights, torch.bfloat16))
     model = allocate(model, formats, "cpu")
     return model.eval().requires_grad_(False), {f"lm.{n}": f for n, f in formats.items()}
 
@@ -100,8 +101,9 @@ def main() -> None:
     fill_random(model, formats)
     lm_bytes = sum(p.numel() * p.element_size() for p in model.lm.parameters())
     vis_bytes = sum(p.numel() * p.element_size() for p in model.visual.parameters())
+    vis_dtype = str(model.visual.blocks[0].mlp.linear_fc1.weight.dtype).removeprefix("torch.")
     print(f"built in {time.perf_counter() - start:.1f} s: LM {lm_bytes / 2**30:.2f} GiB ({args.weights}), vision "
-          f"{vis_bytes / 2**30:.2f} GiB (float32); RSS {rss_gib('VmRSS'):.2f} GiB", flush=True)
+          f"{vis_bytes / 2**30:.2f} GiB (matrices {vis_dtype}); RSS {rss_gib('VmRSS'):.2f} GiB", flush=True)
     for batch in (1, 8):
         print(f"decode batch {batch}: {timed_decode(model, batch, args.new_tokens):.2f} tok/s; "
               f"peak RSS {rss_gib():.2f} GiB", flush=True)

@@ -10,6 +10,7 @@ import torch
 from lm import CheckpointReader, WeightError, load_lm_weights
 from lm.formats import policy
 from lm.hugepages import advise_huge_pages
+from lm.malloc import release_large_buffers
 from lm.weights import heads_tied, lm_param_name, use_formats
 from vision import load_vision_weights
 
@@ -49,6 +50,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         model = VLModel(config)
     model = model.to(dtype=dtype)
     formats = _formats(model, reader, weights, device, dtype)
+    if model.visual is not None and _compact(device, dtype):
+        model.visual.store_matrices_in(policy.vision_dtype(weights, _checkpoint_dtype(reader)))
     model = allocate(model, formats, device)
     cache = WeightCache(path, weights) if any(f.blocked for f in formats.values()) else None
     if cache is not None and cache.load_into(model.lm):  # converted at an earlier start
@@ -77,6 +80,8 @@ def allocate(model: VLModel, formats: dict, device: str | torch.device) -> VLMod
     tied = heads_tied(model.lm)
     model = model.to_empty(device=device)
     advise_huge_pages(model.parameters())  # before the first write: decode streams these pages
+    if torch.device(device).type == "cpu":
+        release_large_buffers(sum(p.numel() * p.element_size() for p in model.parameters()))
     model.lm.init_buffers()
     if tied:
         model.lm.tie_weights()
@@ -86,14 +91,23 @@ def allocate(model: VLModel, formats: dict, device: str | torch.device) -> VLMod
 def _formats(model: VLModel, reader: CheckpointReader, weights: str, device, dtype: torch.dtype) -> dict:
     """The storage format of each large LM weight; compact formats only on CPU with float32 compute."""
     shapes = {n: tuple(p.shape) for n, p in model.lm.named_parameters(remove_duplicate=False)}
-    embed = next((k for k in reader.keys() if k.endswith("embed_tokens.weight")), None)
-    checkpoint_dtype = reader.dtype(embed) if embed else torch.float32
-    if torch.device(device).type != "cpu" or dtype != torch.float32:
+    if not _compact(device, dtype):
         if weights != "auto":
             raise ValueError(f"weights={weights!r} is for CPU with float32 compute; on {device} in {dtype} the "
                              "weights are stored in the model dtype (use weights='auto')")
         return {}
-    return policy.plan(shapes, weights, checkpoint_dtype)
+    return policy.plan(shapes, weights, _checkpoint_dtype(reader))
+
+
+def _compact(device, dtype: torch.dtype) -> bool:
+    """Whether storage formats apply: CPU with float32 compute."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32
+
+
+def _checkpoint_dtype(reader: CheckpointReader) -> torch.dtype:
+    """The dtype the checkpoint stores its weights in (that of its embedding table)."""
+    embed = next((k for k in reader.keys() if k.endswith("embed_tokens.weight")), None)
+    return reader.dtype(embed) if embed else torch.float32
 
 
 def _fp8_block(config: dict, path: Path) -> tuple[int, int] | None:

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .linear import Linear
+
 from .rotary import apply_rotary
 
 
@@ -64,8 +66,8 @@ class VisionAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = hidden_size // num_heads
-        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=True)
-        self.proj = nn.Linear(hidden_size, hidden_size, bias=True)
+        self.qkv = Linear(hidden_size, 3 * hidden_size, bias=True)
+        self.proj = Linear(hidden_size, hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
         """`x [N, C]`, rotary `cos, sin [N, D/2]` -> `[N, C]`."""

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import Segments, segment_attention
+from .linear import used
 from .rotary import apply_rotary
 
 
@@ -56,16 +57,16 @@ def fast_block(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: 
     n, c = x.shape
     heads, head_dim = attn.num_heads, attn.head_dim
     h = F.layer_norm(x, (c,), block.norm1.weight, block.norm1.bias, block.norm1.eps)
-    qkv = torch.addmm(attn.qkv.bias, h, attn.qkv.weight.t(), out=ws.get("qkv", (n, 3 * c)))
+    qkv = torch.addmm(attn.qkv.bias, h, used(attn.qkv.weight, x).t(), out=ws.get("qkv", (n, 3 * c)))
     qkv = qkv.view(n, 3, heads, head_dim)  # [N, 3, H, D]
     if qkv.dtype == torch.float32:
         qk = rotate_into(qkv[:, :2], cos, sin, ws.get("qk", (n, 2, heads, head_dim)))  # [N, 2, H, D]
     else:  # the reference rotates in float32 and rounds back
         qk = apply_rotary(qkv[:, :2], cos, sin)
     o = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], segments)  # [N, C]
-    x.addmm_(o, attn.proj.weight.t()).add_(attn.proj.bias)
+    x.addmm_(o, used(attn.proj.weight, x).t()).add_(attn.proj.bias)
     h = F.layer_norm(x, (c,), block.norm2.weight, block.norm2.bias, block.norm2.eps)
     fc1 = mlp.linear_fc1
-    f = torch.addmm(fc1.bias, h, fc1.weight.t(), out=ws.get("fc1", (n, fc1.out_features)))  # [N, I]
+    f = torch.addmm(fc1.bias, h, used(fc1.weight, x).t(), out=ws.get("fc1", (n, fc1.out_features)))  # [N, I]
     torch.ops.aten.gelu_(f, approximate="tanh")
-    return x.addmm_(f, mlp.linear_fc2.weight.t()).add_(mlp.linear_fc2.bias)
+    return x.addmm_(f, used(mlp.linear_fc2.weight, x).t()).add_(mlp.linear_fc2.bias)

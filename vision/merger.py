@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .linear import Linear
+
 
 class PatchMerger(nn.Module):
     """`norm` over hidden (before the merge), view to `[-1, merge_unit * hidden]`, fc1, exact GELU, fc2."""
@@ -14,8 +16,8 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.merged_size = hidden_size * merge_unit
         self.norm = nn.LayerNorm(hidden_size, eps=eps)
-        self.linear_fc1 = nn.Linear(self.merged_size, self.merged_size, bias=True)
-        self.linear_fc2 = nn.Linear(self.merged_size, out_hidden_size, bias=True)
+        self.linear_fc1 = Linear(self.merged_size, self.merged_size, bias=True)
+        self.linear_fc2 = Linear(self.merged_size, out_hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x [N, C]` in merge-block order -> `[N / merge_unit, out_hidden_size]`."""

@@ -10,9 +10,16 @@ Data flow for packed patches of n images/videos (N patches in all, 2x2-merge-blo
 The tower is inference-only (forward runs without autograd). `VisionModel(config, fast=True)` runs
 the blocks through `fast.fast_block` (in-place residuals, reused scratch buffers); `fast=False` runs
 the plain module code below, the reference the fast path is tested against.
+
+Storage: the tower's matrices (`STORED`) may be held in bfloat16 while it computes in float32
+(`store_matrices_in`, chosen by `weights=` at load): each is converted right where it is used, one
+matrix at a time, which is exact (bf16 -> fp32 is) and halves the tower's memory. Biases, norms and
+the position table stay in the compute dtype, which `VisionModel.dtype` names.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +28,7 @@ from torch import nn
 from .attention import Segments, VisionAttention
 from .config import VisionConfig
 from .fast import Workspace, fast_block
+from .linear import Linear, used
 from .merger import PatchMerger
 from .pos_embed import resampled_pos_embed
 from .rotary import inv_freq, merge_order_positions, rotary_cos_sin
@@ -36,15 +44,16 @@ class PatchEmbed(nn.Module):
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         """`patches [N, C_in*T*P*P]` -> `[N, hidden]`."""
-        weight = self.proj.weight.view(self.proj.out_channels, -1)  # [hidden, C_in*T*P*P]
-        return F.linear(patches.to(weight.dtype), weight, self.proj.bias)
+        patches = patches.to(self.proj.bias.dtype)
+        weight = used(self.proj.weight, patches).view(self.proj.out_channels, -1)  # [hidden, C_in*T*P*P]
+        return F.linear(patches, weight, self.proj.bias)
 
 
 class VisionMLP(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=True)
-        self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=True)
+        self.linear_fc1 = Linear(config.hidden_size, config.intermediate_size, bias=True)
+        self.linear_fc2 = Linear(config.intermediate_size, config.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))
@@ -65,6 +74,9 @@ class VisionBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+STORED = re.compile(r"^(patch_embed\.proj|blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])|merger\.linear_fc[12])\.weight$")
+
+
 class VisionModel(nn.Module):
     """Vision tower: `forward(pixel_values [N, patch_dim], grid_thw [n, 3]) -> [N / 4, out_hidden_size]`."""
 
@@ -76,6 +88,20 @@ class VisionModel(nn.Module):
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config.hidden_size, config.merge_unit, config.out_hidden_size, config.layer_norm_eps)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (pixels go in, features come out in it), whatever the matrices' storage."""
+        return self.patch_embed.proj.bias.dtype
+
+    def store_matrices_in(self, dtype: torch.dtype) -> None:
+        """Hold the `STORED` matrices in `dtype` (bf16 storage beside float32 compute). On the meta
+        device, before allocation and loading; the tower's outputs are unchanged when the checkpoint
+        holds those matrices in `dtype` already."""
+        for name, param in list(self.named_parameters()):
+            if STORED.match(name) and param.dtype != dtype:
+                owner = self.get_submodule(name.rpartition(".")[0])
+                owner.weight = nn.Parameter(param.detach().to(dtype), requires_grad=False)
 
     @torch.no_grad()
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,11 @@ Parts (the large weights, streamed by every decode step):
     lm_head        the LM head
     embed          the embedding table: fp32 or bf16 only (rows are gathered, not streamed); with an
                    int8/int4 base it stays bf16
+    vision         the vision tower's matrices: fp32 or bf16 only (the tower is compute-bound and
+                   always computes in float32; a bf16 matrix is converted where it is used, which
+                   costs a few percent of the tower's time and halves its memory). "auto" means bf16
+                   where the checkpoint is bf16 (lossless), else fp32; it is the default under a
+                   bf16 / int8 / int4 base, while the "auto" and "fp32" bases keep the tower fp32
 Everything else (norms, the conv, A_log, dt_bias, the router, the shared-expert gate, DeltaNet's
 small in_proj_a/b) stays in the compute dtype, float32 on CPU, converted exactly from bf16.
 """
@@ -29,7 +34,8 @@ import torch
 
 from . import BF16, FORMATS, FP32, Format
 
-PARTS = ("experts", "shared_expert", "attention", "deltanet", "mlp", "lm_head", "embed")
+PARTS = ("experts", "shared_expert", "attention", "deltanet", "mlp", "lm_head", "embed", "vision")
+_FLOAT_ONLY = ("embed", "vision")  # parts that take no block format
 CHOICES = ("auto", "fp32", "bf16", "int8", "int4")
 _PART_OF = [
     (re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$"), "experts"),
@@ -63,16 +69,29 @@ def parse(spec: str) -> dict[str, str]:
     parts = {p: base for p in PARTS}
     if base in ("int8", "int4"):
         parts["embed"] = "auto"
+    parts["vision"] = "fp32" if base in ("auto", "fp32") else "auto"
     for item in items:
         part, _, fmt = item.partition("=")
         part, fmt = part.strip(), fmt.strip()
         if part not in PARTS:
             raise ValueError(f"unknown weights part {part!r} in {spec!r}: parts are {', '.join(PARTS)}")
-        if fmt not in CHOICES or (part == "embed" and fmt in ("int8", "int4")):
-            allowed = "auto, fp32, bf16" if part == "embed" else ", ".join(CHOICES)
+        if fmt not in CHOICES or (part in _FLOAT_ONLY and fmt in ("int8", "int4")):
+            allowed = "auto, fp32, bf16" if part in _FLOAT_ONLY else ", ".join(CHOICES)
             raise ValueError(f"weights part {part}={fmt!r}: choose one of {allowed}")
         parts[part] = fmt
     return parts
+
+
+def lossless_auto(checkpoint_dtype: torch.dtype) -> Format:
+    """What "auto" stores: bf16 for a bf16 (or fp8) checkpoint, else fp32."""
+    return BF16 if checkpoint_dtype in (torch.bfloat16, torch.float8_e4m3fn) else FP32
+
+
+def vision_dtype(spec: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
+    """The storage dtype of the vision tower's matrices under `spec` (see the `vision` part)."""
+    fmt = parse(spec)["vision"]
+    fmt = lossless_auto(checkpoint_dtype) if fmt == "auto" else FORMATS[fmt]
+    return torch.bfloat16 if fmt is BF16 else torch.float32
 
 
 def plan(shapes: dict[str, tuple[int, ...]], spec: str, checkpoint_dtype: torch.dtype) -> dict[str, Format]:
@@ -81,7 +100,7 @@ def plan(shapes: dict[str, tuple[int, ...]], spec: str, checkpoint_dtype: torch.
     checkpoint, else fp32. A block format that does not fit a weight's rows (K % 32) leaves it in
     bf16, said once on stderr with the names."""
     parts = parse(spec)
-    auto = BF16 if checkpoint_dtype in (torch.bfloat16, torch.float8_e4m3fn) else FP32
+    auto = lossless_auto(checkpoint_dtype)
     formats, unfit = {}, []
     for name, shape in shapes.items():
         part = part_of(name)

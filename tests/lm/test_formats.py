@@ -130,8 +130,13 @@ def test_weights_specs():
     parts = policy.parse("int4,attention=int8,embed=fp32")
     assert parts["attention"] == "int8" and parts["deltanet"] == "int4" and parts["embed"] == "fp32"
     assert policy.parse("experts=int4")["lm_head"] == "auto"
+    assert policy.parse("auto")["vision"] == "fp32" and policy.parse("fp32")["vision"] == "fp32"
+    assert policy.parse("int4")["vision"] == "auto" and policy.parse("bf16,vision=fp32")["vision"] == "fp32"
+    assert policy.vision_dtype("int4", torch.bfloat16) == torch.bfloat16  # lossless on a bf16 checkpoint
+    assert policy.vision_dtype("int4", torch.float32) == torch.float32
+    assert policy.vision_dtype("vision=bf16", torch.float32) == torch.bfloat16
     for bad, match in [("int3", "unknown weights format"), ("int4,heads=int8", "unknown weights part"),
-                       ("int8,embed=int4", "embed"), ("", "weights must be")]:
+                       ("int8,embed=int4", "embed"), ("int8,vision=int8", "vision"), ("", "weights must be")]:
         with pytest.raises(ValueError, match=match):
             policy.parse(bad)
 
@@ -174,6 +179,24 @@ def test_bf16_storage_equals_fp32_on_a_bf16_checkpoint(tmp_path, kind, monkeypat
     ids, mask = _batch(3)
     assert rel_err(auto(ids), fp32(ids)) <= 1e-5
     assert rel_err(_decode_logits(auto, ids, mask, 4), _decode_logits(fp32, ids, mask, 4)) <= 1e-5
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_vision_tower_in_bf16_storage_equals_fp32_on_a_bf16_checkpoint(tmp_path, fast):
+    """Under a compact base the tower's matrices stay bf16 and are converted where used: the features
+    equal those of the float32 tower bit for bit (bf16 -> fp32 is exact; the same products run)."""
+    path = _bf16_checkpoint(tmp_path, "dense_vl")
+    compact, wide = mm.load_model(path, weights="int8"), mm.load_model(path, weights="int8,vision=fp32")
+    assert compact.visual.blocks[0].mlp.linear_fc1.weight.dtype == torch.bfloat16
+    assert compact.visual.merger.linear_fc1.weight.dtype == torch.bfloat16
+    assert compact.visual.patch_embed.proj.weight.dtype == torch.bfloat16
+    assert compact.visual.blocks[0].norm1.weight.dtype == torch.float32 == compact.visual.dtype
+    assert wide.visual.blocks[0].mlp.linear_fc1.weight.dtype == torch.float32
+    config = compact.visual.config
+    grid = torch.tensor([[2, 4, 4]])
+    pixels = torch.randn(32, config.patch_dim, generator=torch.Generator().manual_seed(0))
+    compact.visual.fast = wide.visual.fast = fast
+    assert torch.equal(compact.visual(pixels, grid), wide.visual(pixels, grid))
 
 
 def _dequantized_fp32(model, path):
