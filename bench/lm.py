@@ -55,9 +55,9 @@ def build(workdir: Path):
 
 def weight_bytes_per_step(model, experts_touched_per_layer: float) -> float:
     """Bytes of weights one decode step reads, in their storage format: everything but the
-    embedding table and unused experts."""
+    embedding table and unused experts. A head tied to the embedding table is counted: it streams."""
     total, per_expert = 0, 0  # per_expert: one expert's bytes in every layer
-    for name, p in model.lm.named_parameters():
+    for name, p in model.lm.named_parameters(remove_duplicate=False):
         if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
             per_expert += p[0].numel() * p.element_size()
             continue

@@ -29,6 +29,35 @@ struct QuantizedX {
   int64_t K = 0;
 };
 
+#if defined(__AVX2__)
+// One block of 32 floats -> its 32 quants, scale and quant sum, as the scalar loop below computes
+// them (the same max, scale and products; vcvtps2dq rounds to nearest even, as nearbyint does).
+inline int quantize_block(const float* xb, int8_t* q, float& d) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_loadu_ps(xb + 8 * j);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  d = _mm_cvtss_f32(h) / 127.f;
+  const __m256 id = _mm256_set1_ps(d == 0.f ? 0.f : 1.f / d);
+  __m256i i[4];
+  for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
+  const __m256i t = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  // packing interleaves the 128-bit lanes: groups of 4 quants come out in the order 0 2 4 6 1 3 5 7
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return _mm_cvtsi128_si32(s);
+}
+#endif
+
 inline void quantize_x(const float* x, int64_t M, int64_t ldx, int64_t K, QuantizedX& out) {
   out.K = K;
   out.q.resize(M * K);
@@ -37,12 +66,18 @@ inline void quantize_x(const float* x, int64_t M, int64_t ldx, int64_t K, Quanti
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / QK; ++b) {
       const float* xb = x + m * ldx + b * QK;
+      int8_t* q = out.q.data() + m * K + b * QK;
+      float d;
+#if defined(__AVX2__)
+      const int sum = quantize_block(xb, q, d);
+#else
       float amax = 0.f;
       for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      const float d = amax / 127.f, id = d == 0.f ? 0.f : 1.f / d;
-      int8_t* q = out.q.data() + m * K + b * QK;
+      d = amax / 127.f;
+      const float id = d == 0.f ? 0.f : 1.f / d;
       int sum = 0;
       for (int j = 0; j < QK; ++j) sum += q[j] = int8_t(std::nearbyint(xb[j] * id));
+#endif
       out.d[m * (K / QK) + b] = d;
       out.offset[m * (K / QK) + b] = 8.f * d * float(sum);
     }

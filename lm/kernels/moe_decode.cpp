@@ -32,6 +32,7 @@ struct Expert {
   const int64_t* token;
   const float* weight;
   std::atomic<int64_t>* ready;
+  const QuantizedX* xq = nullptr;  // x in Q8_0 blocks, once for all gate/up pieces (int8 path)
 };
 
 struct Piece {
@@ -42,8 +43,13 @@ struct Piece {
 void gate_up_piece(const Expert& e, int64_t i0, int64_t i1, int64_t H, float* scratch) {
   const int64_t w = i1 - i0;
   float *g = scratch, *u = g + e.M * w;
-  block(e.x, e.M, H, e.gate.from(i0), H, 0, w, g, w);
-  block(e.x, e.M, H, e.up.from(i0), H, 0, w, u, w);
+  if (e.xq) {
+    block_i8(*e.xq, e.M, e.gate.from(i0), 0, w, g, w);
+    block_i8(*e.xq, e.M, e.up.from(i0), 0, w, u, w);
+  } else {
+    block(e.x, e.M, H, e.gate.from(i0), H, 0, w, g, w);
+    block(e.x, e.M, H, e.up.from(i0), H, 0, w, u, w);
+  }
   for (int64_t m = 0; m < e.M; ++m)
     for (int64_t i = 0; i < w; ++i) e.act[m * e.I + i0 + i] = silu(g[m * w + i]) * u[m * w + i];
   e.ready->fetch_add(1, std::memory_order_release);
@@ -148,6 +154,12 @@ at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::T
                        I, actp + N * Is + start[e] * I, row_token.data() + start[e], row_weight.data() + start[e],
                        &ready[j + 1]});
   }
+  std::vector<QuantizedX> xqs(experts.size());
+  for (size_t j = 0; j < experts.size(); ++j)
+    if (int8_path(experts[j].gate)) {
+      quantize_x(experts[j].x, experts[j].M, H, H, xqs[j]);
+      experts[j].xq = &xqs[j];
+    }
   const int64_t parts = std::max<int64_t>(1, pieces_per_expert);
   std::vector<Piece> pieces;
   for (size_t j = 0; j < experts.size(); ++j) cut(pieces, j, experts[j].I, parts, false);
