@@ -1,6 +1,7 @@
 """The decode product kernels alone, per weight format: their rate and share of the read bandwidth.
 
     python -m bench.products [--formats fp32,bf16,int8,int4] [--rows 1] [--repeats 3]
+                             [--threads N] [--in-cache]
 
 Times one batch's products through a list of decode-shaped weights (12 x [4096 x 1024], [1024 x
 4096], [2048 x 1024], [1024 x 2048]: 0.15 G weights, far larger than the caches, in huge pages as
@@ -9,7 +10,9 @@ the bytes read per second, their share of the read bandwidth probed right after,
 per second. A format whose kernel stays well under the probe at one row is bound by the CPU's
 arithmetic, not by memory: that rate is the ceiling of a decode step in that format (the
 int8/int4 products of 2 AVX2 cores reach ~35-41 G weights/s, ~60-85% of a ~35 GB/s probe and less
-of a faster one), whatever the rest of the step costs.
+of a faster one), whatever the rest of the step costs. `--in-cache` runs one [4096 x 1024] weight
+48 times instead (at most 8 MiB: it stays in the last-level cache), the arithmetic rate alone;
+with `--threads 1`, per core.
 """
 
 from __future__ import annotations
@@ -43,30 +46,38 @@ def main() -> None:
     parser.add_argument("--formats", default="fp32,bf16,int8,int4")
     parser.add_argument("--rows", type=int, default=1, help="rows of x (the decode batch), 1-8")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--in-cache", action="store_true", help="one cache-resident weight: compute alone")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shapes = [(4096, 1024)] * 48 if args.in_cache else SHAPES
     k = kernels._kernels()
     if k is None:
         raise SystemExit("the CPU kernels are off or not built (QWEN35_CPU_KERNELS); nothing to measure")
-    probe = ReadBandwidth(1.0)
-    weights_count = sum(n * kk for n, kk in SHAPES)
-    print(f"{len(SHAPES)} products, {weights_count / 1e9:.2f} G weights, {args.rows} row(s) of x; "
+    probe = None if args.in_cache else ReadBandwidth(1.0)
+    weights_count = sum(n * kk for n, kk in shapes)
+    print(f"{len(shapes)} products, {weights_count / 1e9:.2f} G weights, {args.rows} row(s) of x; "
           f"{torch.get_num_threads()} threads; int8 activations {'on' if k.INT8_DOT else 'not built'}")
     for name in args.formats.split(","):
         fmt = FORMATS[name]
-        ws = weights_in(fmt, SHAPES)
+        ws = weights_in(fmt, shapes[:1]) * len(shapes) if args.in_cache else weights_in(fmt, shapes)
         nbytes = sum(w.numel() * w.element_size() for w in ws)
-        xs = {kk: torch.randn(args.rows, kk) for _, kk in SHAPES}
+        xs = {kk: torch.randn(args.rows, kk) for _, kk in shapes}
 
         def products():
-            for (_, kk), w in zip(SHAPES, ws):
+            for (_, kk), w in zip(shapes, ws):
                 k.small_m_linear(xs[kk], w, kernels._NO_PANELS)
 
         for _ in range(args.repeats):
             seconds = best_time(products, repeats=5)
+            rate = f"{weights_count / seconds / 1e9:5.1f} G weights/s"
+            if args.in_cache:  # nothing streams from memory: no share of the bandwidth to give
+                print(f"{name:>5}: {seconds * 1e3:5.1f} ms: {rate} (cache-resident)", flush=True)
+                continue
             bandwidth = probe(5)
             print(f"{name:>5}: {nbytes / 2**20:5.0f} MiB in {seconds * 1e3:5.1f} ms: {nbytes / seconds / 1e9:5.1f} GB/s "
-                  f"= {nbytes / seconds / bandwidth:4.0%} of the {bandwidth / 1e9:.1f} GB/s probed; "
-                  f"{weights_count / seconds / 1e9:5.1f} G weights/s", flush=True)
+                  f"= {nbytes / seconds / bandwidth:4.0%} of the {bandwidth / 1e9:.1f} GB/s probed; {rate}", flush=True)
         del ws
 
 
