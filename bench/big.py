@@ -7,9 +7,10 @@ with random weights, built straight in a compact storage format.
 No 70 GB bf16 checkpoint is written: the parameters get the storage of their format (lm/formats) on
 the meta device and are filled with random quants (fp16 scales of a real-like size) in place, so the
 float32 model never exists. Prints peak RSS, decode tok/s at batch 1 and 8, prefill tok/s and the time
-to the first token of a 1,000-token prompt. With --cache-file the LM weights are written as the
-converted-weights cache would hold them, and `--from-cache` times reading that file into a fresh
-model (as the second start of a real checkpoint does). The streaming load of a real-shape checkpoint
+to the first token of a 1,000-token prompt, and the vision tower's time on a 1,000-token image. With
+--cache-file the LM weights are written as the converted-weights cache would hold them, and
+`--from-cache` times reading that file into a fresh model (as the second start of a real checkpoint
+does). The streaming load of a real-shape checkpoint
 slice is measured by `python -m bench.big --slice DIR` (e.g. `make_model.py --shape slice35b --layers 4`).
 """
 
@@ -69,6 +70,13 @@ def fill_random(model: VLModel, formats: dict) -> None:
             p.normal_(0, 0.6 / p.shape[-1] ** 0.5, generator=g)
 
 
+def image_grid(model: VLModel, tokens: int) -> torch.Tensor:
+    """grid_thw [1, 3] of an image of about `tokens` LM tokens (after the 2x2 merge)."""
+    merge = model.config.vision.spatial_merge_size
+    side = max(1, round(tokens**0.5)) * merge
+    return torch.tensor([[1, side, side]])
+
+
 def timed_decode(model: VLModel, batch: int, new: int) -> float:
     ids = torch.randint(0, 1000, (batch, 4))
     stamps = [time.perf_counter() for e in stream_generate(model.lm, ids, SamplingParams(max_new_tokens=new))
@@ -113,6 +121,12 @@ def main() -> None:
     ttft = time.perf_counter() - start
     print(f"prefill {args.prompt} tokens: time to first token {ttft:.1f} s ({args.prompt / ttft:.1f} tok/s); "
           f"peak RSS {rss_gib():.2f} GiB", flush=True)
+    grid = image_grid(model, args.prompt)
+    pixels = torch.randn(int(grid.prod()), model.config.vision.patch_dim)
+    start = time.perf_counter()
+    features = model.visual(pixels, grid)
+    print(f"vision tower on a {features.shape[0]}-token image (grid {grid.tolist()[0]}): "
+          f"{time.perf_counter() - start:.1f} s; peak RSS {rss_gib():.2f} GiB", flush=True)
     if args.cache_file:
         start = time.perf_counter()
         write_safetensors(args.cache_file, {n: p.data for n, p in model.lm.named_parameters()})
