@@ -68,8 +68,10 @@ def test_shards_cover_every_video_once(folder, tmp_path):
     outs = [tmp_path / f"shard{i}.jsonl" for i in range(2)]
     for i, out in enumerate(outs):
         caption.main([str(folder), "--out", str(out), "--shard", f"{i}/2", "--batch-size", "2", *FAST])
-    shards = [{r["path"] for r in read_records(out)} for out in outs]
-    assert shards[0] and shards[1] and not shards[0] & shards[1]
+    # a shard may be empty: the split hashes the temporary folder's path too (8 videos all land in one
+    # shard in ~1 of 128 runs); test_shard_assignment_is_stable_and_complete checks the balance
+    shards = [{r["path"] for r in read_records(out)} if out.read_text() else set() for out in outs]
+    assert not shards[0] & shards[1]
     assert shards[0] | shards[1] == set(expand_inputs([str(folder)]))
     assert len(shards[0] | shards[1]) == 8
 
