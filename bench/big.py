@@ -60,10 +60,12 @@ def fill_random(model: VLModel, formats: dict) -> None:
         fmt = formats.get(name)
         if fmt is not None and fmt.blocked:
             k = fmt.inputs(p.shape[-1])
-            blocks = p.view(-1, fmt.block_bytes)
-            blocks[:, 2:].random_(0, 256, generator=g)
+            scales = fmt.rows * 2  # bytes of fp16 scales at the head of a block (int4: 8 rows' together)
+            blocks = p.view(-1, fmt.block_bytes * fmt.rows)
+            blocks[:, scales:].random_(0, 256, generator=g)
             spread = 74.0 if fmt.name == "int8" else 4.6  # std of uniform int8 quants / of q - 8
-            blocks[:, :2] = torch.tensor([0.6 / k**0.5 / spread], dtype=torch.float16).view(torch.uint8)
+            scale = torch.tensor([0.6 / k**0.5 / spread], dtype=torch.float16).view(torch.uint8)
+            blocks[:, :scales] = scale.repeat(fmt.rows)
         elif p.dim() == 1:
             p.normal_(0, 0.1, generator=g)
         else:

@@ -35,6 +35,7 @@ class Format:
     block_bytes: int  # storage elements per block
     quantize: Callable[[torch.Tensor], torch.Tensor]  # float [..., K] -> storage [..., row]
     dequantize: Callable[[torch.Tensor, int], torch.Tensor]  # storage [..., row], K -> float32 [..., K]
+    rows: int = 1  # rows stored together: a weight's rows must be a multiple (int4: 8, blocks.py)
 
     @property
     def blocked(self) -> bool:
@@ -44,9 +45,9 @@ class Format:
     def bits_per_weight(self) -> float:
         return 8 * self.block_bytes * torch.empty(0, dtype=self.dtype).element_size() / self.block
 
-    def fits(self, k: int) -> bool:
-        """Whether rows of k inputs can be stored in this format."""
-        return k % self.block == 0
+    def fits(self, k: int, n: int = 0) -> bool:
+        """Whether n rows of k inputs can be stored in this format."""
+        return k % self.block == 0 and n % self.rows == 0
 
     def row_size(self, k: int) -> int:
         return k // self.block * self.block_bytes
@@ -62,7 +63,8 @@ class Format:
 FP32 = Format("fp32", torch.float32, 1, 1, lambda w: w.float(), lambda w, k: w)
 BF16 = Format("bf16", torch.bfloat16, 1, 1, lambda w: w.to(torch.bfloat16), lambda w, k: w.float())
 INT8 = Format("int8", torch.uint8, blocks.QK, blocks.Q8_0_BYTES, blocks.quantize_q8_0, blocks.dequantize_q8_0)
-INT4 = Format("int4", torch.uint8, blocks.QK, blocks.Q4_0_BYTES, blocks.quantize_q4_0, blocks.dequantize_q4_0)
+INT4 = Format("int4", torch.uint8, blocks.QK, blocks.Q4_0_BYTES, blocks.quantize_q4_0, blocks.dequantize_q4_0,
+              blocks.ROW_GROUP)
 FORMATS: dict[str, Format] = {f.name: f for f in (FP32, BF16, INT8, INT4)}
 
 

@@ -97,8 +97,8 @@ def vision_dtype(spec: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
 def plan(shapes: dict[str, tuple[int, ...]], spec: str, checkpoint_dtype: torch.dtype) -> dict[str, Format]:
     """The storage format of every large LM parameter (name -> Format; the rest stay in the compute
     dtype). `shapes` are the parameters' logical shapes; "auto" means bf16 for a bf16 (or fp8)
-    checkpoint, else fp32. A block format that does not fit a weight's rows (K % 32) leaves it in
-    bf16, said once on stderr with the names."""
+    checkpoint, else fp32. A block format that does not fit a weight (K % 32, or int4's rows % 8)
+    leaves it in bf16, said once on stderr with the names."""
     parts = parse(spec)
     auto = lossless_auto(checkpoint_dtype)
     formats, unfit = {}, []
@@ -107,13 +107,14 @@ def plan(shapes: dict[str, tuple[int, ...]], spec: str, checkpoint_dtype: torch.
         if part is None:
             continue
         fmt = auto if parts[part] == "auto" else FORMATS[parts[part]]
-        if not fmt.fits(shape[-1]):
+        rows = shape[-2] // 2 if name.endswith("gate_up_proj") else shape[-2]  # filled as gate, then up
+        if not fmt.fits(shape[-1], rows):
             unfit.append(name)
             fmt = BF16
         if fmt is not FP32:
             formats[name] = fmt
     if unfit:
         shown = ", ".join(unfit[:4]) + (f" (and {len(unfit) - 4} more)" if len(unfit) > 4 else "")
-        print(f"[qwen35] weights={spec}: {len(unfit)} weight(s) have rows that are no multiple of 32 and stay "
-              f"bf16: {shown}", file=sys.stderr)
+        print(f"[qwen35] weights={spec}: {len(unfit)} weight(s) have rows that are no multiple of 32 (or, for "
+              f"int4, a row count that is no multiple of 8) and stay bf16: {shown}", file=sys.stderr)
     return formats

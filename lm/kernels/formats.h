@@ -5,7 +5,8 @@
 //   BF16  bfloat16 [..., N, K]                   bf16 -> float32 is exact (a shift)
 //   Q8_0  uint8    [..., N, K / 32 * 34]         GGUF Q8_0 blocks: fp16 scale d, 32 int8 q; w = d q
 //   Q4_0  uint8    [..., N, K / 32 * 18]         GGUF Q4_0 blocks: fp16 scale d, 16 bytes holding
-//                                                q[j] (low nibble) and q[j + 16] (high); w = d (q - 8)
+//                                                q[j] (low nibble) and q[j + 16] (high); w = d (q - 8);
+//                                                rows in groups of 8 (N % 8 == 0; see below)
 // The format follows from the dtype and, for uint8, from the row size relative to K (34 != 18 per
 // block), so the kernels take the same tensors as before and Python needs no format argument.
 // Each traits struct turns one block of 32 weights into float32 vectors in registers (`load`):
@@ -158,6 +159,19 @@ struct TraitsQ4_0 {
   }
 };
 
+// Q4_0 rows are stored in groups of RG = 8 (lm/formats/blocks.py): block b of a group is 144 bytes,
+// the 8 rows' fp16 scales, then 4 chunks of 32 bytes, chunk c holding quant bytes 4c..4c+3 of
+// row 0, 1, ..., 7. A group starts at Rows::row(n) for n % 8 == 0. The decode products read it as it
+// is (int8_dot.h); q4_0_block_of rebuilds one row's GGUF block for the other paths.
+constexpr int RG = 8;
+constexpr int64_t Q4G_BYTES = RG * TraitsQ4_0::block_bytes;  // one block of a group
+
+inline void q4_0_block_of(const uint8_t* group, int64_t b, int r, uint8_t* out) {
+  const uint8_t* o = group + b * Q4G_BYTES;
+  std::memcpy(out, o + 2 * r, 2);
+  for (int c = 0; c < 4; ++c) std::memcpy(out + 2 + 4 * c, o + 16 + c * 32 + r * 4, 4);
+}
+
 // Bytes of one row of K weights in format f.
 inline int64_t row_bytes(Fmt f, int64_t K) {
   switch (f) {
@@ -190,6 +204,7 @@ inline Fmt format_of(const at::Tensor& w, int64_t K, const char* name) {
       if (last == row_bytes(Q8_0, K)) return Q8_0;
       TORCH_CHECK(last == row_bytes(Q4_0, K), name, ": uint8 rows of ", last, " bytes are neither Q8_0 (",
                   row_bytes(Q8_0, K), ") nor Q4_0 (", row_bytes(Q4_0, K), ") blocks of K = ", K);
+      TORCH_CHECK(w.size(-2) % RG == 0, name, ": Q4_0 rows come in groups of ", RG, ", got ", w.size(-2));
       return Q4_0;
     default: TORCH_CHECK(false, name, ": unsupported weight dtype ", w.scalar_type());
   }
@@ -218,12 +233,28 @@ inline void rows_to_float(const Rows& w, int64_t N, int64_t K, float* out) {
   }
 }
 
+// Groups of 8 Q4_0 rows from w.row(0) (N % 8 == 0) as float32 into out [N, K].
+inline void q4_0_rows_to_float(const Rows& w, int64_t N, int64_t K, float* out) {
+  uint8_t block[TraitsQ4_0::block_bytes];
+  wvec v[NB];
+  for (int64_t g = 0; g < N / RG; ++g)
+    for (int r = 0; r < RG; ++r) {
+      float* o = out + (g * RG + r) * K;
+      for (int64_t b = 0; b < K / QK; ++b) {
+        q4_0_block_of(w.row(g * RG), b, r, block);
+        TraitsQ4_0::load(block, 0, v);
+        std::memcpy(o + b * QK, v, sizeof(v));
+      }
+    }
+}
+
+// Rows [0, N) of w as float32 (the traits' to_float); Q4_0: from a group start, N % 8 == 0.
 inline void to_float(const Rows& w, int64_t N, int64_t K, float* out) {
   switch (w.fmt) {
     case F32: rows_to_float<TraitsF32>(w, N, K, out); break;
     case BF16: rows_to_float<TraitsBF16>(w, N, K, out); break;
     case Q8_0: rows_to_float<TraitsQ8_0>(w, N, K, out); break;
-    default: rows_to_float<TraitsQ4_0>(w, N, K, out); break;
+    default: q4_0_rows_to_float(w, N, K, out); break;
   }
 }
 

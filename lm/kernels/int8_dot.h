@@ -21,11 +21,12 @@ inline bool& int8_activations() {
 }
 
 // x rows [M, K] (K % 32 == 0) in Q8_0 blocks: int8 quants and one float scale per block, and per
-// block 8 d sum(q): Q4_0 weights are w = dw (u - 8) with u in [0, 15], so w . x = dw (d u . q - 8 d
-// sum(q)), and the unsigned u go into vpmaddubsw as they are (no sign tricks per block).
+// block 8 sum(q): Q4_0 weights are w = dw (u - 8) with u in [0, 15], so (u - 8) . q = u . q - 8 sum(q),
+// and the unsigned u go into vpmaddubsw as they are (no sign tricks per block).
 struct QuantizedX {
   std::vector<int8_t> q;
-  std::vector<float> d, offset;
+  std::vector<float> d;
+  std::vector<int32_t> sum8;
   int64_t K = 0;
 };
 
@@ -62,7 +63,7 @@ inline void quantize_x(const float* x, int64_t M, int64_t ldx, int64_t K, Quanti
   out.K = K;
   out.q.resize(M * K);
   out.d.resize(M * K / QK);
-  out.offset.resize(M * K / QK);
+  out.sum8.resize(M * K / QK);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / QK; ++b) {
       const float* xb = x + m * ldx + b * QK;
@@ -79,18 +80,12 @@ inline void quantize_x(const float* x, int64_t M, int64_t ldx, int64_t K, Quanti
       for (int j = 0; j < QK; ++j) sum += q[j] = int8_t(std::nearbyint(xb[j] * id));
 #endif
       out.d[m * (K / QK) + b] = d;
-      out.offset[m * (K / QK) + b] = 8.f * d * float(sum);
+      out.sum8[m * (K / QK) + b] = 8 * sum;
     }
 }
 
 #if defined(__AVX2__)
 constexpr bool INT8_DOT = true;
-
-inline __m256i nibbles(const uint8_t* p) {  // the 32 unsigned quants u in [0, 15] of the Q4_0 block at p
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);  // low nibbles: weights 0-15; high: 16-31
-  return _mm256_and_si256(both, _mm256_set1_epi8(15));
-}
 
 inline float hsum8(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -98,31 +93,25 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-// y[r * ldy] = row . x[r] for r < R over all K, x given quantized.
-template <int R, Fmt F>
-inline void dot_row_i8(const QuantizedX& x, const uint8_t* w, float* y, int64_t ldy) {
-  constexpr int64_t bytes = F == Q8_0 ? TraitsQ8_0::block_bytes : TraitsQ4_0::block_bytes;
+// y[r * ldy] = row . x[r] for r < R over all K, x given quantized: a Q8_0 row.
+template <int R>
+inline void dot_row_q8_0(const QuantizedX& x, const uint8_t* w, float* y, int64_t ldy) {
+  constexpr int64_t bytes = TraitsQ8_0::block_bytes;
   constexpr int C = R == 1 ? 2 : 1;  // accumulator chains per row
   const int64_t K = x.K, nb = K / QK;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R][C];
-  float offset[R][C] = {};  // Q4_0: sum of dw * 8 dx sum(xq) (see QuantizedX)
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   auto step = [&](int64_t b, int c) {
     const uint8_t* p = w + b * bytes;
     __builtin_prefetch(p + PREFETCH_BYTES, 0, 3);
     const float dw = half_to_float(p);
+    const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
     for (int r = 0; r < R; ++r) {
       const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + r * K + b * QK));
-      __m256i pairs;
-      if constexpr (F == Q8_0) {  // signed weights: |w| times x with w's sign
-        const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
-        pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
-      } else {  // unsigned quants u straight in; the -8 offset is subtracted once per block below
-        pairs = _mm256_maddubs_epi16(nibbles(p), xq);
-        offset[r][c] += dw * x.offset[r * nb + b];
-      }
+      // signed weights: |w| times x with w's sign
+      const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
       const __m256i dot = _mm256_madd_epi16(pairs, ones);
       acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * x.d[r * nb + b]), acc[r][c]);
     }
@@ -133,36 +122,81 @@ inline void dot_row_i8(const QuantizedX& x, const uint8_t* w, float* y, int64_t 
   for (; b < nb; ++b) step(b, 0);
   for (int r = 0; r < R; ++r) {
     __m256 t = acc[r][0];
-    float o = offset[r][0];
-    for (int c = 1; c < C; ++c) t = _mm256_add_ps(t, acc[r][c]), o += offset[r][c];
-    y[r * ldy] = hsum8(t) - o;
+    for (int c = 1; c < C; ++c) t = _mm256_add_ps(t, acc[r][c]);
+    y[r * ldy] = hsum8(t);
   }
 }
 
-template <Fmt F>
-inline void block_i8_rows(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y,
-                          int64_t ldy) {
+// y[r * ldy + j] = row j of a Q4_0 group . x[r0 + r] for r < R, j < 8. Per block: the 8 rows' scales
+// in one conversion; for each chunk c, the nibbles of the 8 rows' bytes 4c..4c+3 (one 32-bit lane
+// per row) against x's quants 4c..4c+3 and 16+4c..16+4c+3 broadcast, so that lane j sums row j with
+// no sum across the register. The int16 sums stay below 8 x 2 x 15 x 127 = 30480.
+template <int R>
+inline void dot_group_q4_0(const QuantizedX& x, int64_t r0, const uint8_t* group, float* y, int64_t ldy) {
+  const int64_t K = x.K, nb = K / QK;
+  const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(15);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* o = group + b * Q4G_BYTES;
+    __builtin_prefetch(o + PREFETCH_BYTES, 0, 3);
+    __builtin_prefetch(o + PREFETCH_BYTES + 64, 0, 3);
+    __builtin_prefetch(o + PREFETCH_BYTES + 128, 0, 3);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
+    __m256i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 16 + c * 32));
+      const __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = x.q.data() + (r0 + r) * K + b * QK;
+        int32_t a, h;
+        std::memcpy(&a, xq + 4 * c, 4);
+        std::memcpy(&h, xq + 16 + 4 * c, 4);
+        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
+        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(h)));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * nb + b;
+      const __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(s[r], ones), _mm256_set1_epi32(x.sum8[i]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(x.d[i])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
+// Rows [0, M) of quantized x times weight rows [n0, n1) of a Q8_0 / Q4_0 weight -> y[:, n0:n1]
+// (Q4_0: n0 and n1 multiples of 8, whole groups; x in steps of up to 4 rows, each step reading the
+// group's block from L1 again).
+inline void block_i8(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  if (W.fmt == Q4_0) {
+    for (int64_t n = n0; n < n1; n += RG)
+      for (int64_t r0 = 0; r0 < M; r0 += 4) {
+        const uint8_t* group = W.row(n);
+        float* yn = y + r0 * ldy + n;
+        switch (std::min<int64_t>(4, M - r0)) {
+          case 1: dot_group_q4_0<1>(x, r0, group, yn, ldy); break;
+          case 2: dot_group_q4_0<2>(x, r0, group, yn, ldy); break;
+          case 3: dot_group_q4_0<3>(x, r0, group, yn, ldy); break;
+          default: dot_group_q4_0<4>(x, r0, group, yn, ldy); break;
+        }
+      }
+    return;
+  }
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = W.row(n);
     switch (M) {
-      case 1: dot_row_i8<1, F>(x, w, y + n, ldy); break;
-      case 2: dot_row_i8<2, F>(x, w, y + n, ldy); break;
-      case 3: dot_row_i8<3, F>(x, w, y + n, ldy); break;
-      case 4: dot_row_i8<4, F>(x, w, y + n, ldy); break;
-      case 5: dot_row_i8<5, F>(x, w, y + n, ldy); break;
-      case 6: dot_row_i8<6, F>(x, w, y + n, ldy); break;
-      case 7: dot_row_i8<7, F>(x, w, y + n, ldy); break;
-      default: dot_row_i8<8, F>(x, w, y + n, ldy); break;
+      case 1: dot_row_q8_0<1>(x, w, y + n, ldy); break;
+      case 2: dot_row_q8_0<2>(x, w, y + n, ldy); break;
+      case 3: dot_row_q8_0<3>(x, w, y + n, ldy); break;
+      case 4: dot_row_q8_0<4>(x, w, y + n, ldy); break;
+      case 5: dot_row_q8_0<5>(x, w, y + n, ldy); break;
+      case 6: dot_row_q8_0<6>(x, w, y + n, ldy); break;
+      case 7: dot_row_q8_0<7>(x, w, y + n, ldy); break;
+      default: dot_row_q8_0<8>(x, w, y + n, ldy); break;
     }
   }
-}
-
-// Rows [0, M) of quantized x times weight rows [n0, n1) of a Q8_0 / Q4_0 weight -> y[:, n0:n1].
-inline void block_i8(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  if (W.fmt == Q8_0)
-    block_i8_rows<Q8_0>(x, M, W, n0, n1, y, ldy);
-  else
-    block_i8_rows<Q4_0>(x, M, W, n0, n1, y, ldy);
 }
 #else
 constexpr bool INT8_DOT = false;

@@ -198,7 +198,14 @@ inline void block(const float* x, int64_t M, int64_t ldx, const Rows& W, int64_t
     case F32: block(x, M, ldx, W.f32(), K, n0, n1, y, ldy); break;
     case BF16: block_fmt<TraitsBF16>(x, M, ldx, W, K, n0, n1, y, ldy); break;
     case Q8_0: block_fmt<TraitsQ8_0>(x, M, ldx, W, K, n0, n1, y, ldy); break;
-    default: block_fmt<TraitsQ4_0>(x, M, ldx, W, K, n0, n1, y, ldy); break;
+    default: {  // Q4_0 with float32 activations (off by default): each group of 8 rows in float32 first
+      thread_local std::vector<float> rows;
+      rows.resize(RG * K);
+      for (int64_t n = n0; n < n1; n += RG) {
+        to_float(W.from(n), RG, K, rows.data());
+        block(x, M, ldx, rows.data(), K, 0, RG, y + n, ldy);
+      }
+    }
   }
 }
 
@@ -277,7 +284,8 @@ struct Product {
 
 // Weight rows per task: blocks of rows, or of whole panels.
 inline int64_t task_rows(const Product& p) {
-  return p.by_panels() ? std::max<int64_t>(1, rows_per_task(p.K) / PANEL) * PANEL : rows_per_task(p.K);
+  if (p.by_panels()) return std::max<int64_t>(1, rows_per_task(p.K) / PANEL) * PANEL;
+  return p.W.fmt == Q4_0 ? (rows_per_task(p.K) + RG - 1) / RG * RG : rows_per_task(p.K);  // whole Q4_0 groups
 }
 
 // All products in one parallel region: each is cut into blocks of weight rows, and the blocks of
