@@ -99,7 +99,13 @@ def quantize_q4_0(w: torch.Tensor) -> torch.Tensor:
     [..., N, K / 32 * 18] in groups of 8 rows (GGUF's blocks, regrouped)."""
     if w.dim() < 2 or w.shape[-2] % ROW_GROUP:
         raise ValueError(f"int4 (Q4_0) weights are stored in groups of {ROW_GROUP} rows, got shape {list(w.shape)}")
-    return interleave8(_quantize(w, Q4_0_BYTES, _q4_0_blocks))
+    k = w.shape[-1]
+    rows = w.reshape(-1, k)
+    out = torch.empty(rows.shape[0], k // QK * Q4_0_BYTES, dtype=torch.uint8)
+    step = max(ROW_GROUP, _CHUNK // max(k, 1) // ROW_GROUP * ROW_GROUP)  # whole groups; bounded temporaries
+    for i in range(0, rows.shape[0], step):
+        out[i : i + step] = interleave8(_quantize(rows[i : i + step], Q4_0_BYTES, _q4_0_blocks))
+    return out.view(*w.shape[:-1], out.shape[-1])
 
 
 def _scales(blocks: torch.Tensor) -> torch.Tensor:
