@@ -46,8 +46,7 @@ def build(weights: str) -> tuple[VLModel, dict]:
         model = VLModel(config)
     shapes = {n: tuple(p.shape) for n, p in model.lm.named_parameters(remove_duplicate=False)}
     formats = policy.plan(shapes, weights, torch.bfloat16)
-    model.visual.store_matrices_in(policy.vision_dtype(weights, torch.bfloat16))
-    model = allocate(model, formats, "cpu")
+    model = allocate(model, formats, "cpu", policy.vision_dtype(weights, torch.bfloat16))
     return model.eval().requires_grad_(False), {f"lm.{n}": f for n, f in formats.items()}
 
 

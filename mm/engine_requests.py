@@ -42,7 +42,7 @@ class VisionCache:
             self._items.move_to_end(digest)
             return self._items[digest]
         self.misses += 1
-        features = model.visual(pixels.to(model.visual.dtype), grid)
+        features = model.visual(pixels, grid)  # the tower takes pixels to its compute dtype
         size = features.numel() * features.element_size()
         if size <= self.max_bytes:
             while self.nbytes + size > self.max_bytes:

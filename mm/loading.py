@@ -50,9 +50,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         model = VLModel(config)
     model = model.to(dtype=dtype)
     formats = _formats(model, reader, weights, device, dtype)
-    if model.visual is not None and _compact(device, dtype):
-        model.visual.store_matrices_in(policy.vision_dtype(weights, _checkpoint_dtype(reader)))
-    model = allocate(model, formats, device)
+    vision = policy.vision_dtype(weights, _checkpoint_dtype(reader)) if _compact(device, dtype) else None
+    model = allocate(model, formats, device, vision)
     cache = WeightCache(path, weights) if any(f.blocked for f in formats.values()) else None
     if cache is not None and cache.load_into(model.lm):  # converted at an earlier start
         used = {k for k in reader.keys() if lm_param_name(k) is not None}
@@ -73,10 +72,14 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     return model.eval().requires_grad_(False)
 
 
-def allocate(model: VLModel, formats: dict, device: str | torch.device) -> VLModel:
+def allocate(model: VLModel, formats: dict, device: str | torch.device,
+             vision_dtype: torch.dtype | None = None) -> VLModel:
     """A model built on the meta device, allocated on `device` with each LM parameter named in
-    `formats` in the storage of its format (lm/formats), the rest in the model's dtype; unfilled."""
+    `formats` in the storage of its format (lm/formats), the vision tower's matrices in
+    `vision_dtype` (None: the model's dtype), the rest in the model's dtype; unfilled."""
     use_formats(model.lm, formats)
+    if model.visual is not None and vision_dtype is not None:
+        model.visual.store_matrices_in(vision_dtype)
     tied = heads_tied(model.lm)
     model = model.to_empty(device=device)
     advise_huge_pages(model.parameters())  # before the first write: decode streams these pages

@@ -48,7 +48,7 @@ class VLModel(nn.Module):
                 raise ValueError(f"this checkpoint ({cfg.model_type}) has no vision tower; it cannot take {what}s")
             if grid is None:
                 raise ValueError(f"{what} pixels need their grid_thw")
-            features = self.visual(pixels.to(self.visual.dtype), grid)
+            features = self.visual(pixels, grid)  # the tower takes pixels to its compute dtype
             embeds = scatter_vision(embeds, input_ids, token, features, what)
         if image_grid_thw is None and video_grid_thw is None:
             return embeds, None

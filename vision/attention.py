@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .linear import Linear
-
 from .rotary import apply_rotary
 
 
