@@ -11,7 +11,10 @@ using namespace qwen35;
 
 namespace {
 
-constexpr int DC = 4 * V;  // value columns per accumulator block
+// Value vectors per accumulator block of `rep` heads: 4 (64 columns) with AVX-512's 32 registers;
+// with AVX2's 16, as many as keep rep x blocks accumulators within 12 registers (a power of two, so
+// that the head dims in use, multiples of 32, have no ragged tail).
+constexpr int value_blocks(int rep) { return W == 16 || rep <= 3 ? 4 : rep <= 6 ? 2 : 1; }
 
 template <int rep>  // a compile-time count, so that the accumulators live in registers
 void attend(const float* q, const float* K, const float* Vv, int64_t L, int64_t D, const bool* keep, float scale,
@@ -47,6 +50,7 @@ void attend(const float* q, const float* K, const float* Vv, int64_t L, int64_t 
     for (int64_t l = 0; l < L; ++l) s[l] *= inv;
   }
   // out_r = sum_l p_r[l] V[l], DC columns at a time with rep x DC / V accumulators in registers
+  constexpr int DC = value_blocks(rep) * V;
   for (int64_t d0 = 0; d0 < D; d0 += DC) {
     const int64_t width = std::min<int64_t>(DC, D - d0);
     if (width < DC) {  // a ragged tail (D not a multiple of DC): scalar
