@@ -67,12 +67,21 @@ class Sampler:
             p = self.params[row]
             scores = _penalise(logits[i].float(), p, self.prompts[row], outputs[row])
             if p.greedy:
-                picks.append(int(scores.argmax()))
+                picks.append(argmax(scores))
             else:
                 candidates, probs = _candidates(scores / p.temperature, p)
                 choice = torch.multinomial(probs, 1, generator=self.generators[row])
                 picks.append(int(candidates[choice]))
         return picks
+
+
+def argmax(scores: torch.Tensor) -> int:
+    """`int(scores.argmax())` of a 1-D tensor: the first largest, a NaN before any number. On CPU
+    through numpy's vectorised argmax, which has the same rules: over a 248,320-token vocabulary
+    torch's takes ~300 us, ~3% of a batch-1 int4 decode step; numpy's ~23 us."""
+    if scores.device.type == "cpu" and scores.dtype == torch.float32:
+        return int(scores.detach().contiguous().numpy().argmax())
+    return int(scores.argmax())
 
 
 def _generator(seed: int | None, device) -> torch.Generator | None:

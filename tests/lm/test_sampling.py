@@ -4,13 +4,23 @@ import pytest
 import torch
 
 from lm import Sampler, SamplingParams
-from lm.sampling import _candidates, _penalise
+from lm.sampling import _candidates, _penalise, argmax
 
 
 def test_greedy_picks_argmax_per_row():
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 1.0]])
     sampler = Sampler([SamplingParams(), SamplingParams()], [[], []])
     assert sampler(logits, [0, 1], [[], []]) == [1, 0]
+
+
+def test_argmax_follows_torch_on_ties_nan_and_infinities():
+    cases = [[0.0, 2.0, 2.0, 1.0], [float("-inf")] * 3, [1.0, float("nan"), 3.0, float("nan")],
+             [float("inf"), 1.0, float("inf")], torch.randn(248320).tolist()]
+    for values in cases:
+        scores = torch.tensor(values)
+        assert argmax(scores) == int(scores.argmax()), values[:4]
+        strided = torch.stack([scores, scores], dim=1)[:, 0]  # not contiguous
+        assert argmax(strided) == int(scores.argmax())
 
 
 def test_top_k_top_p_min_p_filters():
