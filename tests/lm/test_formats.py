@@ -140,6 +140,9 @@ def test_grouped_and_moe_decode_kernels_with_compact_experts(kernels_on, fmt):
     with torch.no_grad():
         assert rel_err(block(x), dense(x)) < 1e-5  # moe_decode reading the compact experts
         assert rel_err(block(prefill), dense(prefill)) < 1e-5
+        if fmt is not BF16 and kernels._kernels().INT8_DOT:  # x and each expert's act rounded to Q8_0
+            kernels.set_int8_activations(True)
+            assert 1e-6 < rel_err(block(x), dense(x)) < 2e-2  # ~1.0% for both formats here
 
 
 def test_weights_specs():
