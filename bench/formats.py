@@ -6,7 +6,8 @@
 On one bf16 checkpoint (default: a random one with bench/lm.py's proportions; `--checkpoint` takes
 any, e.g. the one `../shared/peers/make_model.py` writes for llama.cpp), for each format: decode
 tok/s at each batch (64 tokens after an 8-token prompt, best of 2, as llama-bench's tg64), the
-share of its own bandwidth limit (the bytes of that format one step reads / the read bandwidth
+share of its own bandwidth limit (the bytes one step touches: its weights in that format and the
+cache it reads and writes, DeltaNet states and attended keys and values / the read bandwidth
 probed between every two steps), prefill tok/s of a 512-token prompt (llama-bench's pp512: last
 token's logits only), and the error against fp32 on the same weights: max relative error of the
 logits of a 64-token prompt, and greedy agreement over 64 new tokens. With `--gguf-dir` (the
@@ -28,7 +29,7 @@ import torch
 
 import mm
 from bench.limits import ReadBandwidth, best_time
-from bench.lm import CONFIG, ExpertCounter, median, probed_steps, weight_bytes_per_step
+from bench.lm import CONFIG, ExpertCounter, cache_bytes_per_step, median, probed_steps, weight_bytes_per_step
 from lm import SamplingParams, stream_generate
 
 
@@ -61,7 +62,8 @@ def decode(model, batch: int, new: int, read: ReadBandwidth) -> tuple[float, flo
     counter = ExpertCounter(model)
     greedy(model, ids, new)  # warm-up; the counter sees the routing
     counter.close()
-    touched = weight_bytes_per_step(model, counter.mean() if counter.counts else 0)
+    touched = (weight_bytes_per_step(model, counter.mean() if counter.counts else 0)
+               + cache_bytes_per_step(model, batch, ids.shape[1] + new // 2))  # at the mean context of the run
     best = float("inf")
     for _ in range(2):
         stamps = [time.perf_counter() for e in stream_generate(model.lm, ids, SamplingParams(max_new_tokens=new))

@@ -6,8 +6,8 @@ Builds a float32 Qwen3.5-MoE text model with the real proportions scaled down (h
 = 12 Gated DeltaNet + 4 gated attention, 64 experts top-8 of width 256 plus a shared expert, head_dim
 256, 8 q / 2 kv heads, DeltaNet 8 key / 16 value heads of dim 128, vocab 32768), saves it as a real
 checkpoint and loads it with `mm.load_model`. Prints prefill and decode speed for both, the ratio, and
-the share of the physical limit: decode = bytes of weights touched per step / measured read
-bandwidth; prefill = matmul FLOPs / measured float32 matmul FLOP/s.
+the share of the physical limit: decode = bytes touched per step (weights, and the cache it reads and
+writes) / measured read bandwidth; prefill = matmul FLOPs / measured float32 matmul FLOP/s.
 """
 
 from __future__ import annotations
@@ -64,6 +64,19 @@ def weight_bytes_per_step(model, experts_touched_per_layer: float) -> float:
         if "embed_tokens" not in name:
             total += p.numel() * p.element_size()
     return total + experts_touched_per_layer * per_expert
+
+
+def cache_bytes_per_step(model, batch: int, context: int) -> float:
+    """Bytes of the cache one decode step of `batch` rows touches at `context` tokens, in float32 as
+    it is held: each DeltaNet layer reads and writes its recurrent state [Hv, Dk, Dv] and conv window;
+    each attention layer reads its keys and values up to `context` and writes one position."""
+    cfg = model.config.text
+    conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    deltanet = 2 * (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+                    + (cfg.linear_conv_kernel_dim - 1) * conv_dim)
+    attention = 2 * cfg.num_key_value_heads * cfg.head_dim * (context + 1)
+    layers = len(cfg.linear_attention_layers) * deltanet + len(cfg.full_attention_layers) * attention
+    return 4.0 * batch * layers
 
 
 def weights_per_token(model) -> tuple[int, int]:
@@ -240,11 +253,12 @@ def main() -> None:
             hf_decode(hf, ids, 8, repeats=1)
         step, _, flops_s = limits.around(lambda: ours_decode(model, ids, new))
         theirs = None if args.skip_hf else hf_decode(hf, ids, new)
-        touched = weight_bytes_per_step(model, counter.mean())
+        weights = weight_bytes_per_step(model, counter.mean())
+        touched = weights + cache_bytes_per_step(model, batch, ids.shape[1] + new // 2)
         share, probed_step, bandwidth = limits.decode_share(model, ids, new, touched)
         rows.append((f"decode batch {batch} (tok/s)", batch / step, theirs and batch / theirs, share))
-        print(f"  batch {batch}: {counter.mean():.1f} experts/layer touched per step, {touched / 1e9:.2f} GB of "
-              f"weights per step; best of 3 runs {step * 1e3:.1f} ms/step;\n"
+        print(f"  batch {batch}: {counter.mean():.1f} experts/layer touched per step, {weights / 1e9:.2f} GB of "
+              f"weights and {(touched - weights) / 1e9:.3f} GB of cache per step; best of 3 runs {step * 1e3:.1f} ms/step;\n"
               f"    a run probing the read bandwidth between steps: median step {probed_step * 1e3:.1f} ms at a median "
               f"{bandwidth / 1e9:.1f} GB/s (floor {touched / bandwidth * 1e3:.1f} ms); share of the limit per step, "
               f"median {share * 100:.0f}%;\n    compute floor {decode_flops(model, batch) / flops_s * 1e3:.1f} ms/step "
