@@ -10,6 +10,9 @@ the same tensors, in registers):
     int8   uint8 [..., N, K/32*34], GGUF Q8_0    8.5              w = d q, fp16 d per 32 weights
     int4   uint8 [..., N, K/32*18], GGUF Q4_0    4.5              w = d (q - 8)
 
+int8 and int4 keep GGUF's blocks with the rows regrouped by 8 (blocks.py), so their weights need a
+multiple of 8 rows; the policy (policy.py) keeps any other weight in bf16 and says so.
+
 The format of a tensor follows from its dtype and, for uint8, from its row size relative to K, so a
 layer holds its weight as before and never names a format: `to_float(w, k)` gives the float32 matrix
 (prefill, reference paths), the C++ kernels read it directly (decode). GGUF's blocks were chosen so
@@ -35,7 +38,7 @@ class Format:
     block_bytes: int  # storage elements per block
     quantize: Callable[[torch.Tensor], torch.Tensor]  # float [..., K] -> storage [..., row]
     dequantize: Callable[[torch.Tensor, int], torch.Tensor]  # storage [..., row], K -> float32 [..., K]
-    rows: int = 1  # rows stored together: a weight's rows must be a multiple (int4: 8, blocks.py)
+    rows: int = 1  # rows stored together: a weight's rows must be a multiple (int8, int4: 8, blocks.py)
 
     @property
     def blocked(self) -> bool:
@@ -62,7 +65,8 @@ class Format:
 
 FP32 = Format("fp32", torch.float32, 1, 1, lambda w: w.float(), lambda w, k: w)
 BF16 = Format("bf16", torch.bfloat16, 1, 1, lambda w: w.to(torch.bfloat16), lambda w, k: w.float())
-INT8 = Format("int8", torch.uint8, blocks.QK, blocks.Q8_0_BYTES, blocks.quantize_q8_0, blocks.dequantize_q8_0)
+INT8 = Format("int8", torch.uint8, blocks.QK, blocks.Q8_0_BYTES, blocks.quantize_q8_0, blocks.dequantize_q8_0,
+              blocks.ROW_GROUP)
 INT4 = Format("int4", torch.uint8, blocks.QK, blocks.Q4_0_BYTES, blocks.quantize_q4_0, blocks.dequantize_q4_0,
               blocks.ROW_GROUP)
 FORMATS: dict[str, Format] = {f.name: f for f in (FP32, BF16, INT8, INT4)}

@@ -8,12 +8,14 @@ scale d (2 bytes, little-endian) followed by the quants:
                                  w = d * (q - 8)    18 bytes per 32 weights (4.5 bits per weight)
 d * q is exact in float32 (11 + 8 significant bits), so dequantizing loses nothing further.
 
-Q4_0 rows are stored in groups of 8 (`ROW_GROUP`; the rows of a weight must be a multiple of 8):
-block b of a group is the 8 rows' fp16 scales (16 bytes), then 4 chunks of 32 bytes, chunk c
-holding quant bytes 4c..4c+3 of row 0, then of row 1, ... row 7 (144 bytes, as 8 rows' blocks
-take). The bytes are GGUF's, regrouped (`interleave8` / `deinterleave8`), the layout llama.cpp
-repacks Q4_0 into for AVX2: a decode product takes one block of 8 rows with its x block in a few
-instructions, with no sum across a register per row (bench/q4_layout.cpp measured the gain).
+Q8_0 and Q4_0 rows are stored in groups of 8 (`ROW_GROUP`; the rows of a weight must be a multiple
+of 8): block b of a group is the 8 rows' fp16 scales (16 bytes), then chunks of 32 bytes, chunk c
+holding quant bytes 4c..4c+3 of row 0, then of row 1, ... row 7 (8 chunks for Q8_0, 4 for Q4_0:
+272 / 144 bytes, as 8 rows' blocks take). The bytes are GGUF's, regrouped (`interleave8` /
+`deinterleave8`), the layout llama.cpp repacks Q4_0 into for AVX2: a decode product takes one
+block of 8 rows with its x block in a few instructions, with no sum across a register per row
+(bench/q4_layout.cpp measured the gain for Q4_0: one AVX2 core 13-17 -> 31-38 G weights/s; for
+Q8_0, one core in cache 23 -> 39).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 QK = 32  # weights per block
 Q8_0_BYTES = 2 + QK
 Q4_0_BYTES = 2 + QK // 2
-ROW_GROUP = 8  # Q4_0 rows stored together
+ROW_GROUP = 8  # rows of a block format stored together
 _CHUNK = 1 << 22  # weights quantized at a time: bounds the float32 temporaries (~16 MB each)
 
 
@@ -66,46 +68,57 @@ def _quantize(w: torch.Tensor, block_bytes: int, blocks_fn) -> torch.Tensor:
     return out.view(*w.shape[:-1], k // QK * block_bytes)
 
 
-def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
-    """Weights [..., K] (any float dtype; K % 32 == 0) -> Q8_0 rows uint8 [..., K / 32 * 34]."""
-    return _quantize(w, Q8_0_BYTES, _q8_0_blocks)
+def _check_groups(shape, name: str) -> None:
+    if len(shape) < 2 or shape[-2] % ROW_GROUP:
+        raise ValueError(f"{name} weights are stored in groups of {ROW_GROUP} rows, got shape {list(shape)}")
 
 
-def interleave8(q: torch.Tensor) -> torch.Tensor:
-    """GGUF Q4_0 rows uint8 [..., N, K / 32 * 18] (N % 8 == 0) -> the same rows in groups of 8."""
+def interleave8(q: torch.Tensor, block_bytes: int = Q4_0_BYTES) -> torch.Tensor:
+    """GGUF rows of `block_bytes` blocks, uint8 [..., N, K / 32 * block_bytes] (N % 8 == 0) -> the
+    same rows in groups of 8 (the module docstring's layout)."""
     *lead, n, row = q.shape
-    if n % ROW_GROUP:
-        raise ValueError(f"int4 (Q4_0) weights are stored in groups of {ROW_GROUP} rows, got {n} rows")
-    nb = row // Q4_0_BYTES
-    g = q.reshape(*lead, n // ROW_GROUP, ROW_GROUP, nb, Q4_0_BYTES).movedim(-3, -2)  # [.., G, nb, 8, 18]
+    _check_groups(q.shape, "Q8_0 / Q4_0")
+    nb, chunks = row // block_bytes, (block_bytes - 2) // 4
+    g = q.reshape(*lead, n // ROW_GROUP, ROW_GROUP, nb, block_bytes).movedim(-3, -2)  # [.., G, nb, 8, bytes]
     scales = g[..., :2].flatten(-2)  # [.., G, nb, 16]
-    quants = g[..., 2:].unflatten(-1, (4, 4)).transpose(-3, -2).flatten(-3)  # [.., G, nb, 4 chunks x 8 rows x 4]
+    quants = g[..., 2:].unflatten(-1, (chunks, 4)).transpose(-3, -2).flatten(-3)  # [.., G, nb, chunks x 8 rows x 4]
     return torch.cat([scales, quants], -1).reshape(*lead, n, row)
 
 
-def deinterleave8(q: torch.Tensor) -> torch.Tensor:
-    """Q4_0 rows in groups of 8 -> GGUF's row-major Q4_0 rows (the inverse of `interleave8`)."""
+def deinterleave8(q: torch.Tensor, block_bytes: int = Q4_0_BYTES) -> torch.Tensor:
+    """Rows in groups of 8 -> GGUF's row-major rows (the inverse of `interleave8`)."""
     *lead, n, row = q.shape
-    nb = row // Q4_0_BYTES
-    g = q.reshape(*lead, n // ROW_GROUP, nb, ROW_GROUP * Q4_0_BYTES)
+    nb, chunks = row // block_bytes, (block_bytes - 2) // 4
+    g = q.reshape(*lead, n // ROW_GROUP, nb, ROW_GROUP * block_bytes)
     scales = g[..., :16].unflatten(-1, (ROW_GROUP, 2))  # [.., G, nb, 8, 2]
-    quants = g[..., 16:].unflatten(-1, (4, ROW_GROUP, 4)).transpose(-3, -2).flatten(-2)  # [.., G, nb, 8, 16]
-    blocks = torch.cat([scales, quants], -1).movedim(-2, -3)  # [.., G, 8, nb, 18]
+    quants = g[..., 16:].unflatten(-1, (chunks, ROW_GROUP, 4)).transpose(-3, -2).flatten(-2)  # [.., G, nb, 8, bytes - 2]
+    blocks = torch.cat([scales, quants], -1).movedim(-2, -3)  # [.., G, 8, nb, bytes]
     return blocks.reshape(*lead, n, row)
+
+
+def _quantize_grouped(w: torch.Tensor, block_bytes: int, blocks_fn, name: str) -> torch.Tensor:
+    """Weights [..., N, K] -> GGUF blocks of `blocks_fn` in groups of 8 rows, quantized a chunk of
+    whole groups at a time (bounded temporaries)."""
+    _check_groups(w.shape, name)
+    k = w.shape[-1]
+    rows = w.reshape(-1, k)
+    out = torch.empty(rows.shape[0], k // QK * block_bytes, dtype=torch.uint8)
+    step = max(ROW_GROUP, _CHUNK // max(k, 1) // ROW_GROUP * ROW_GROUP)
+    for i in range(0, rows.shape[0], step):
+        out[i : i + step] = interleave8(_quantize(rows[i : i + step], block_bytes, blocks_fn), block_bytes)
+    return out.view(*w.shape[:-1], out.shape[-1])
+
+
+def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
+    """Weights [..., N, K] (any float dtype; N % 8 == 0, K % 32 == 0) -> Q8_0 rows uint8
+    [..., N, K / 32 * 34] in groups of 8 rows (GGUF's blocks, regrouped)."""
+    return _quantize_grouped(w, Q8_0_BYTES, _q8_0_blocks, "int8 (Q8_0)")
 
 
 def quantize_q4_0(w: torch.Tensor) -> torch.Tensor:
     """Weights [..., N, K] (any float dtype; N % 8 == 0, K % 32 == 0) -> Q4_0 rows uint8
     [..., N, K / 32 * 18] in groups of 8 rows (GGUF's blocks, regrouped)."""
-    if w.dim() < 2 or w.shape[-2] % ROW_GROUP:
-        raise ValueError(f"int4 (Q4_0) weights are stored in groups of {ROW_GROUP} rows, got shape {list(w.shape)}")
-    k = w.shape[-1]
-    rows = w.reshape(-1, k)
-    out = torch.empty(rows.shape[0], k // QK * Q4_0_BYTES, dtype=torch.uint8)
-    step = max(ROW_GROUP, _CHUNK // max(k, 1) // ROW_GROUP * ROW_GROUP)  # whole groups; bounded temporaries
-    for i in range(0, rows.shape[0], step):
-        out[i : i + step] = interleave8(_quantize(rows[i : i + step], Q4_0_BYTES, _q4_0_blocks))
-    return out.view(*w.shape[:-1], out.shape[-1])
+    return _quantize_grouped(w, Q4_0_BYTES, _q4_0_blocks, "int4 (Q4_0)")
 
 
 def _scales(blocks: torch.Tensor) -> torch.Tensor:
@@ -113,8 +126,8 @@ def _scales(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_q8_0(q: torch.Tensor, k: int) -> torch.Tensor:
-    """Q8_0 rows uint8 [..., K / 32 * 34] -> float32 [..., K]."""
-    blocks = q.reshape(-1, Q8_0_BYTES)
+    """Q8_0 rows uint8 [..., N, K / 32 * 34] in groups of 8 -> float32 [..., N, K]."""
+    blocks = deinterleave8(q, Q8_0_BYTES).reshape(-1, Q8_0_BYTES)
     w = _scales(blocks) * blocks[:, 2:].contiguous().view(torch.int8).float()
     return w.view(*q.shape[:-1], k)
 

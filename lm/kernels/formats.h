@@ -159,17 +159,24 @@ struct TraitsQ4_0 {
   }
 };
 
-// Q4_0 rows are stored in groups of RG = 8 (lm/formats/blocks.py): block b of a group is 144 bytes,
-// the 8 rows' fp16 scales, then 4 chunks of 32 bytes, chunk c holding quant bytes 4c..4c+3 of
-// row 0, 1, ..., 7. A group starts at Rows::row(n) for n % 8 == 0. The decode products read it as it
-// is (int8_dot.h); q4_0_block_of rebuilds one row's GGUF block for the other paths.
+// Q8_0 and Q4_0 rows are stored in groups of RG = 8 (lm/formats/blocks.py): block b of a group is
+// the 8 rows' fp16 scales, then chunks of 32 bytes (Q8_0: 8, Q4_0: 4), chunk c holding quant bytes
+// 4c..4c+3 of row 0, 1, ..., 7: 272 / 144 bytes. A group starts at Rows::row(n) for n % 8 == 0. The
+// decode products read it as it is (int8_dot.h); block_of rebuilds one row's GGUF block for the
+// other paths.
 constexpr int RG = 8;
-constexpr int64_t Q4G_BYTES = RG * TraitsQ4_0::block_bytes;  // one block of a group
+inline bool grouped(Fmt f) { return f == Q8_0 || f == Q4_0; }
 
-inline void q4_0_block_of(const uint8_t* group, int64_t b, int r, uint8_t* out) {
-  const uint8_t* o = group + b * Q4G_BYTES;
+template <class T>
+constexpr int64_t group_block_bytes() { return RG * T::block_bytes; }  // one block of a group
+
+// Row r's GGUF block b of the group at `group` (format T: Q8_0 or Q4_0) -> out [T::block_bytes].
+template <class T>
+inline void block_of(const uint8_t* group, int64_t b, int r, uint8_t* out) {
+  constexpr int chunks = (T::block_bytes - 2) / 4;
+  const uint8_t* o = group + b * group_block_bytes<T>();
   std::memcpy(out, o + 2 * r, 2);
-  for (int c = 0; c < 4; ++c) std::memcpy(out + 2 + 4 * c, o + 16 + c * 32 + r * 4, 4);
+  for (int c = 0; c < chunks; ++c) std::memcpy(out + 2 + 4 * c, o + 16 + c * 32 + r * 4, 4);
 }
 
 // Bytes of one row of K weights in format f.
@@ -201,11 +208,11 @@ inline Fmt format_of(const at::Tensor& w, int64_t K, const char* name) {
     case at::kBFloat16: TORCH_CHECK(last == K, name, ": bfloat16 rows of ", last, ", expected ", K); return BF16;
     case at::kByte:
       TORCH_CHECK(K % QK == 0, name, ": block formats need K % 32 == 0, got K = ", K);
-      if (last == row_bytes(Q8_0, K)) return Q8_0;
-      TORCH_CHECK(last == row_bytes(Q4_0, K), name, ": uint8 rows of ", last, " bytes are neither Q8_0 (",
-                  row_bytes(Q8_0, K), ") nor Q4_0 (", row_bytes(Q4_0, K), ") blocks of K = ", K);
-      TORCH_CHECK(w.size(-2) % RG == 0, name, ": Q4_0 rows come in groups of ", RG, ", got ", w.size(-2));
-      return Q4_0;
+      TORCH_CHECK(last == row_bytes(Q8_0, K) || last == row_bytes(Q4_0, K), name, ": uint8 rows of ", last,
+                  " bytes are neither Q8_0 (", row_bytes(Q8_0, K), ") nor Q4_0 (", row_bytes(Q4_0, K),
+                  ") blocks of K = ", K);
+      TORCH_CHECK(w.size(-2) % RG == 0, name, ": Q8_0 / Q4_0 rows come in groups of ", RG, ", got ", w.size(-2));
+      return last == row_bytes(Q8_0, K) ? Q8_0 : Q4_0;
     default: TORCH_CHECK(false, name, ": unsupported weight dtype ", w.scalar_type());
   }
   return F32;
@@ -233,28 +240,29 @@ inline void rows_to_float(const Rows& w, int64_t N, int64_t K, float* out) {
   }
 }
 
-// Groups of 8 Q4_0 rows from w.row(0) (N % 8 == 0) as float32 into out [N, K].
-inline void q4_0_rows_to_float(const Rows& w, int64_t N, int64_t K, float* out) {
-  uint8_t block[TraitsQ4_0::block_bytes];
+// Groups of 8 rows of format T (Q8_0 / Q4_0) from w.row(0) (N % 8 == 0) as float32 into out [N, K].
+template <class T>
+inline void group_rows_to_float(const Rows& w, int64_t N, int64_t K, float* out) {
+  uint8_t block[T::block_bytes];
   wvec v[NB];
   for (int64_t g = 0; g < N / RG; ++g)
     for (int r = 0; r < RG; ++r) {
       float* o = out + (g * RG + r) * K;
       for (int64_t b = 0; b < K / QK; ++b) {
-        q4_0_block_of(w.row(g * RG), b, r, block);
-        TraitsQ4_0::load(block, 0, v);
+        block_of<T>(w.row(g * RG), b, r, block);
+        T::load(block, 0, v);
         std::memcpy(o + b * QK, v, sizeof(v));
       }
     }
 }
 
-// Rows [0, N) of w as float32 (the traits' to_float); Q4_0: from a group start, N % 8 == 0.
+// Rows [0, N) of w as float32 (the traits' to_float); Q8_0 / Q4_0: from a group start, N % 8 == 0.
 inline void to_float(const Rows& w, int64_t N, int64_t K, float* out) {
   switch (w.fmt) {
     case F32: rows_to_float<TraitsF32>(w, N, K, out); break;
     case BF16: rows_to_float<TraitsBF16>(w, N, K, out); break;
-    case Q8_0: rows_to_float<TraitsQ8_0>(w, N, K, out); break;
-    default: q4_0_rows_to_float(w, N, K, out); break;
+    case Q8_0: group_rows_to_float<TraitsQ8_0>(w, N, K, out); break;
+    default: group_rows_to_float<TraitsQ4_0>(w, N, K, out); break;
   }
 }
 

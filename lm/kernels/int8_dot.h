@@ -87,44 +87,39 @@ inline void quantize_x(const float* x, int64_t M, int64_t ldx, int64_t K, Quanti
 #if defined(__AVX2__)
 constexpr bool INT8_DOT = true;
 
-inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
-
-// y[r * ldy] = row . x[r] for r < R over all K, x given quantized: a Q8_0 row.
+// y[r * ldy + j] = row j of a Q8_0 group . x[r0 + r] for r < R, j < 8. Per block: the 8 rows' scales
+// in one conversion; for each chunk c, the quants of the 8 rows' bytes 4c..4c+3 (one 32-bit lane
+// per row) against x's quants 4c..4c+3 broadcast, as |w| times x with w's sign (vpmaddubsw takes
+// one unsigned operand), so that lane j sums row j with no sum across the register. Each chunk's
+// int16 pair sums (at most 2 x 127 x 127) go to int32 before the next is added.
 template <int R>
-inline void dot_row_q8_0(const QuantizedX& x, const uint8_t* w, float* y, int64_t ldy) {
-  constexpr int64_t bytes = TraitsQ8_0::block_bytes;
-  constexpr int C = R == 1 ? 2 : 1;  // accumulator chains per row
+inline void dot_group_q8_0(const QuantizedX& x, int64_t r0, const uint8_t* group, float* y, int64_t ldy) {
+  constexpr int64_t GB = group_block_bytes<TraitsQ8_0>();
   const int64_t K = x.K, nb = K / QK;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  auto step = [&](int64_t b, int c) {
-    const uint8_t* p = w + b * bytes;
-    __builtin_prefetch(p + PREFETCH_BYTES, 0, 3);
-    const float dw = half_to_float(p);
-    const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
-    for (int r = 0; r < R; ++r) {
-      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + r * K + b * QK));
-      // signed weights: |w| times x with w's sign
-      const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
-      const __m256i dot = _mm256_madd_epi16(pairs, ones);
-      acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * x.d[r * nb + b]), acc[r][c]);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* o = group + b * GB;
+    for (int64_t line = 0; line < GB; line += 64) __builtin_prefetch(o + PREFETCH_BYTES + line, 0, 3);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
+    __m256i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 16 + c * 32));
+      const __m256i magnitude = _mm256_sign_epi8(q, q);
+      for (int r = 0; r < R; ++r) {
+        int32_t a;
+        std::memcpy(&a, x.q.data() + (r0 + r) * K + b * QK + 4 * c, 4);
+        const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_set1_epi32(a), q));
+        s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(pairs, ones));
+      }
     }
-  };
-  int64_t b = 0;
-  for (; b + C <= nb; b += C)
-    for (int c = 0; c < C; ++c) step(b + c, c);  // c known at compile time: the accumulators stay in registers
-  for (; b < nb; ++b) step(b, 0);
-  for (int r = 0; r < R; ++r) {
-    __m256 t = acc[r][0];
-    for (int c = 1; c < C; ++c) t = _mm256_add_ps(t, acc[r][c]);
-    y[r * ldy] = hsum8(t);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dw, _mm256_set1_ps(x.d[(r0 + r) * nb + b])),
+                               acc[r]);
   }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
 // y[r * ldy + j] = row j of a Q4_0 group . x[r0 + r] for r < R, j < 8. Per block: the 8 rows' scales
@@ -138,7 +133,7 @@ inline void dot_group_q4_0(const QuantizedX& x, int64_t r0, const uint8_t* group
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* o = group + b * Q4G_BYTES;
+    const uint8_t* o = group + b * group_block_bytes<TraitsQ4_0>();
     __builtin_prefetch(o + PREFETCH_BYTES, 0, 3);
     __builtin_prefetch(o + PREFETCH_BYTES + 64, 0, 3);
     __builtin_prefetch(o + PREFETCH_BYTES + 128, 0, 3);
@@ -167,36 +162,28 @@ inline void dot_group_q4_0(const QuantizedX& x, int64_t r0, const uint8_t* group
 }
 
 // Rows [0, M) of quantized x times weight rows [n0, n1) of a Q8_0 / Q4_0 weight -> y[:, n0:n1]
-// (Q4_0: n0 and n1 multiples of 8, whole groups; x in steps of up to 4 rows, each step reading the
-// group's block from L1 again).
+// (n0 and n1 multiples of 8, whole groups; x in steps of up to 4 rows, each step reading the group's
+// block from L1 again).
+template <int R>
+inline void dot_group(Fmt f, const QuantizedX& x, int64_t r0, const uint8_t* group, float* y, int64_t ldy) {
+  if (f == Q4_0)
+    dot_group_q4_0<R>(x, r0, group, y, ldy);
+  else
+    dot_group_q8_0<R>(x, r0, group, y, ldy);
+}
+
 inline void block_i8(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  if (W.fmt == Q4_0) {
-    for (int64_t n = n0; n < n1; n += RG)
-      for (int64_t r0 = 0; r0 < M; r0 += 4) {
-        const uint8_t* group = W.row(n);
-        float* yn = y + r0 * ldy + n;
-        switch (std::min<int64_t>(4, M - r0)) {
-          case 1: dot_group_q4_0<1>(x, r0, group, yn, ldy); break;
-          case 2: dot_group_q4_0<2>(x, r0, group, yn, ldy); break;
-          case 3: dot_group_q4_0<3>(x, r0, group, yn, ldy); break;
-          default: dot_group_q4_0<4>(x, r0, group, yn, ldy); break;
-        }
+  for (int64_t n = n0; n < n1; n += RG)
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
+      const uint8_t* group = W.row(n);
+      float* yn = y + r0 * ldy + n;
+      switch (std::min<int64_t>(4, M - r0)) {
+        case 1: dot_group<1>(W.fmt, x, r0, group, yn, ldy); break;
+        case 2: dot_group<2>(W.fmt, x, r0, group, yn, ldy); break;
+        case 3: dot_group<3>(W.fmt, x, r0, group, yn, ldy); break;
+        default: dot_group<4>(W.fmt, x, r0, group, yn, ldy); break;
       }
-    return;
-  }
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* w = W.row(n);
-    switch (M) {
-      case 1: dot_row_q8_0<1>(x, w, y + n, ldy); break;
-      case 2: dot_row_q8_0<2>(x, w, y + n, ldy); break;
-      case 3: dot_row_q8_0<3>(x, w, y + n, ldy); break;
-      case 4: dot_row_q8_0<4>(x, w, y + n, ldy); break;
-      case 5: dot_row_q8_0<5>(x, w, y + n, ldy); break;
-      case 6: dot_row_q8_0<6>(x, w, y + n, ldy); break;
-      case 7: dot_row_q8_0<7>(x, w, y + n, ldy); break;
-      default: dot_row_q8_0<8>(x, w, y + n, ldy); break;
     }
-  }
 }
 #else
 constexpr bool INT8_DOT = false;

@@ -66,7 +66,7 @@ void down_piece(const Expert& e, int64_t h0, int64_t h1, int64_t H, float* out, 
   }
 }
 
-// Cut [0, n) into `parts` near-equal ranges, at multiples of 8 rows (whole Q4_0 groups).
+// Cut [0, n) into `parts` near-equal ranges, at multiples of 8 rows (whole Q8_0 / Q4_0 groups).
 void cut(std::vector<Piece>& pieces, int64_t expert, int64_t n, int64_t parts, bool down) {
   auto at = [&](int64_t p) { return p == parts ? n : n * p / parts / RG * RG; };
   for (int64_t p = 0; p < parts; ++p) pieces.push_back({expert, at(p), at(p + 1), down});  // may be empty: counted

@@ -83,7 +83,7 @@ at::Tensor dequantize(at::Tensor w, int64_t K) {
   auto sizes = w.sizes().vec();
   sizes.back() = K;
   auto out = at::empty(sizes, w.options().dtype(at::kFloat));
-  const int64_t unit = rows.fmt == Q4_0 ? RG : 1;  // Q4_0: whole groups of rows
+  const int64_t unit = grouped(rows.fmt) ? RG : 1;  // Q8_0 / Q4_0: whole groups of rows
   const int64_t N = w.numel() == 0 ? 0 : out.numel() / K / unit;
   float* o = out.data_ptr<float>();
   at::parallel_for(0, N, std::max<int64_t>(1, rows_per_task(K) / unit), [&](int64_t n0, int64_t n1) {

@@ -206,8 +206,7 @@ inline void block(const float* x, int64_t M, int64_t ldx, const Rows& W, int64_t
   switch (W.fmt) {
     case F32: block(x, M, ldx, W.f32(), K, n0, n1, y, ldy); break;
     case BF16: block_fmt<TraitsBF16>(x, M, ldx, W, K, n0, n1, y, ldy); break;
-    case Q8_0: block_fmt<TraitsQ8_0>(x, M, ldx, W, K, n0, n1, y, ldy); break;
-    default: {  // Q4_0 with float32 activations (off by default): each group of 8 rows in float32 first
+    default: {  // Q8_0 / Q4_0 with float32 activations (off by default): each group of 8 rows in float32 first
       thread_local std::vector<float> rows;
       rows.resize(RG * K);
       for (int64_t n = n0; n < n1; n += RG) {
@@ -294,9 +293,9 @@ struct Product {
 // Weight rows per task: blocks of rows, or of whole panels.
 inline int64_t task_rows(const Product& p) {
   if (p.by_panels()) return std::max<int64_t>(1, rows_per_task(p.K) / PANEL) * PANEL;
-  // Q4_0: whole groups, at least 4 a task (with 2 at K = 1024 a [248320 x 1024] product ran 44 G
-  // weights/s, with 4 60-65: the probe's rate; Q8_0 measured the same either way)
-  if (p.W.fmt == Q4_0) return std::max<int64_t>(4 * RG, (rows_per_task(p.K) + RG - 1) / RG * RG);
+  // Q8_0 / Q4_0: whole groups, at least 4 a task (with 2 at K = 1024 a [248320 x 1024] Q4_0 product
+  // ran 44 G weights/s, with 4 60-65: the probe's rate)
+  if (grouped(p.W.fmt)) return std::max<int64_t>(4 * RG, (rows_per_task(p.K) + RG - 1) / RG * RG);
   return rows_per_task(p.K);
 }
 

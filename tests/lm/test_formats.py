@@ -9,7 +9,6 @@ import torch.nn.functional as F
 import mm
 from lm import kernels
 from lm.formats import BF16, FP32, INT4, INT8, blocks, format_of, policy, to_float
-from lm.formats.blocks import dequantize_q8_0, quantize_q8_0
 from tests.conftest import rel_err
 
 
@@ -37,7 +36,7 @@ def test_quantizer_is_bit_exact_with_gguf(fmt, qtype):
     w = _weights()
     ours = fmt.quantize(w)
     ref = quants.quantize(w.numpy(), getattr(GGMLQuantizationType, qtype))
-    gguf_rows = blocks.deinterleave8(ours) if fmt is INT4 else ours  # int4 keeps GGUF's blocks in groups of 8 rows
+    gguf_rows = blocks.deinterleave8(ours, fmt.block_bytes)  # GGUF's blocks, kept in groups of 8 rows
     assert ours.dtype == torch.uint8 and np.array_equal(gguf_rows.numpy(), ref)
     deq = quants.dequantize(ref, getattr(GGMLQuantizationType, qtype))
     assert np.array_equal(fmt.dequantize(ours, w.shape[1]).numpy(), deq)
@@ -45,20 +44,22 @@ def test_quantizer_is_bit_exact_with_gguf(fmt, qtype):
     assert abs(fmt.bits_per_weight - (8.5 if fmt is INT8 else 4.5)) < 1e-9
 
 
-def test_int4_rows_are_grouped_by_eight():
+@pytest.mark.parametrize("fmt,blocks_fn", [(INT8, "_q8_0_blocks"), (INT4, "_q4_0_blocks")])
+def test_block_format_rows_are_grouped_by_eight(fmt, blocks_fn):
     """blocks.py's layout: block b of a group holds the 8 rows' scales, then chunk c = quant bytes
-    4c..4c+3 of rows 0..7; the kernels read it (a product of one group row by row equals the float one)."""
+    4c..4c+3 of rows 0..7 (8 chunks for Q8_0, 4 for Q4_0); the kernels read it as it is."""
     w = _weights(n=16, k=64)
-    gguf_rows = blocks._quantize(w, blocks.Q4_0_BYTES, blocks._q4_0_blocks)
-    group = INT4.quantize(w)[8:16].reshape(-1)  # the second group's bytes, in order
-    for r, b, c in [(0, 0, 0), (5, 1, 2), (7, 1, 3)]:
-        block = group[b * 144 : (b + 1) * 144]
-        assert torch.equal(block[2 * r : 2 * r + 2], gguf_rows[8 + r, b * 18 : b * 18 + 2])
-        assert torch.equal(block[16 + 32 * c + 4 * r : 20 + 32 * c + 4 * r], gguf_rows[8 + r, b * 18 + 2 + 4 * c : b * 18 + 6 + 4 * c])
-    assert torch.equal(blocks.interleave8(blocks.deinterleave8(INT4.quantize(w))), INT4.quantize(w))
+    bb, chunks = fmt.block_bytes, (fmt.block_bytes - 2) // 4
+    gguf_rows = blocks._quantize(w, bb, getattr(blocks, blocks_fn))
+    group = fmt.quantize(w)[8:16].reshape(-1)  # the second group's bytes, in order
+    for r, b, c in [(0, 0, 0), (5, 1, 2), (7, 1, chunks - 1)]:
+        block = group[b * 8 * bb : (b + 1) * 8 * bb]
+        assert torch.equal(block[2 * r : 2 * r + 2], gguf_rows[8 + r, b * bb : b * bb + 2])
+        assert torch.equal(block[16 + 32 * c + 4 * r : 20 + 32 * c + 4 * r], gguf_rows[8 + r, b * bb + 2 + 4 * c : b * bb + 6 + 4 * c])
+    assert torch.equal(blocks.interleave8(blocks.deinterleave8(fmt.quantize(w), bb), bb), fmt.quantize(w))
     with pytest.raises(ValueError, match="groups of 8 rows"):
-        INT4.quantize(torch.randn(12, 64))
-    assert not INT4.fits(64, 12) and INT4.fits(64, 16) and INT8.fits(64, 12)
+        fmt.quantize(torch.randn(12, 64))
+    assert not fmt.fits(64, 12) and fmt.fits(64, 16) and BF16.fits(64, 12)
 
 
 def test_format_of_refuses_unknown_storage():
