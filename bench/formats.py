@@ -56,22 +56,30 @@ def real_like(model) -> None:
             p.copy_(torch.randn_like(p, dtype=torch.float32).mul_(0.6 / p.shape[-1] ** 0.5).to(p.dtype))
 
 
-def decode(model, batch: int, new: int, read: ReadBandwidth) -> tuple[float, float, float]:
-    """(tok/s best of 2 runs, median share of the bandwidth limit per probed step, GB per step)."""
-    ids = torch.randint(0, model.config.text.vocab_size, (batch, 8), generator=torch.Generator().manual_seed(batch))
-    counter = ExpertCounter(model)
-    greedy(model, ids, new)  # warm-up; the counter sees the routing
-    counter.close()
-    touched = (weight_bytes_per_step(model, counter.mean() if counter.counts else 0)
-               + cache_bytes_per_step(model, batch, ids.shape[1] + new // 2))  # at the mean context of the run
-    best = float("inf")
-    for _ in range(2):
-        stamps = [time.perf_counter() for e in stream_generate(model.lm, ids, SamplingParams(max_new_tokens=new))
-                  if e.row == 0]
-        best = min(best, (stamps[-1] - stamps[0]) / (len(stamps) - 1))
-    steps = list(probed_steps(model, ids, min(new, 24), read))
-    share = median([touched / step / max(a, b) for step, a, b in steps])
-    return batch / best, share, touched / 1e9
+def decode(models: dict, batch: int, new: int, read: ReadBandwidth, rounds: int = 2) -> dict:
+    """Per format: (tok/s best of `rounds` runs, median share of the bandwidth limit per probed step,
+    GB per step). The formats take turns (each round runs every one), so that all see the same
+    states of this VM's memory, which move a single run by up to ~40%."""
+    ids = torch.randint(0, next(iter(models.values())).config.text.vocab_size, (batch, 8),
+                        generator=torch.Generator().manual_seed(batch))
+    touched, best = {}, dict.fromkeys(models, float("inf"))
+    for fmt, model in models.items():
+        counter = ExpertCounter(model)
+        greedy(model, ids, new)  # warm-up; the counter sees the routing
+        counter.close()
+        touched[fmt] = (weight_bytes_per_step(model, counter.mean() if counter.counts else 0)
+                        + cache_bytes_per_step(model, batch, ids.shape[1] + new // 2))  # at the run's mean context
+    for _ in range(rounds):
+        for fmt, model in models.items():
+            stamps = [time.perf_counter() for e in stream_generate(model.lm, ids, SamplingParams(max_new_tokens=new))
+                      if e.row == 0]
+            best[fmt] = min(best[fmt], (stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    out = {}
+    for fmt, model in models.items():
+        steps = list(probed_steps(model, ids, min(new, 24), read))
+        share = median([touched[fmt] / step / max(a, b) for step, a, b in steps])
+        out[fmt] = (batch / best[fmt], share, touched[fmt] / 1e9)
+    return out
 
 
 def greedy(model, ids, new: int) -> list[list[int]]:
@@ -81,10 +89,19 @@ def greedy(model, ids, new: int) -> list[list[int]]:
     return out
 
 
-def prefill(model, tokens: int) -> float:
-    ids = torch.randint(0, model.config.text.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1))
+def prefill(models: dict, tokens: int, rounds: int = 3) -> dict:
+    """Per format: prefill tok/s of a `tokens` prompt (last token's logits), best of `rounds`, the
+    formats taking turns as in `decode`."""
+    ids = torch.randint(0, next(iter(models.values())).config.text.vocab_size, (1, tokens),
+                        generator=torch.Generator().manual_seed(1))
+    best = dict.fromkeys(models, float("inf"))
     with torch.no_grad():
-        return tokens / best_time(lambda: model.lm(ids, last_only=True), repeats=2, warmup=1)
+        for model in models.values():
+            model.lm(ids, last_only=True)  # warm-up
+        for _ in range(rounds):
+            for fmt, model in models.items():
+                best[fmt] = min(best[fmt], best_time(lambda: model.lm(ids, last_only=True), repeats=1, warmup=0))
+    return {fmt: tokens / t for fmt, t in best.items()}
 
 
 def accuracy(model, reference: dict) -> tuple[float, float]:
@@ -148,33 +165,35 @@ def main() -> None:
     new = 16 if args.quick else 64
     with tempfile.TemporaryDirectory() as tmp:
         path = args.checkpoint or make_checkpoint(Path(tmp) / "bench-bf16", args.vocab)
-        reference, rows = None, []
-        for fmt in args.formats.split(","):
+        models, loads, reference, errors = {}, {}, None, {}
+        for fmt in args.formats.split(","):  # all formats at once (the bench models take 1-6 GB each)
             start = time.perf_counter()
-            model = mm.load_model(path, weights=fmt)
-            load_s = time.perf_counter() - start
+            models[fmt] = model = mm.load_model(path, weights=fmt)
+            loads[fmt] = time.perf_counter() - start
             if reference is None and not args.quick:  # the first format (fp32 by default) is the reference
                 ids = torch.randint(0, model.config.text.vocab_size, (1, 64), generator=torch.Generator().manual_seed(2))
                 with torch.no_grad():
                     reference = dict(ids=ids, logits=model.lm(ids), greedy=greedy(model, ids, new)[0], name=fmt)
-            err = accuracy(model, reference) if reference and reference["name"] != fmt else (0.0, 1.0)
-            dec = {b: decode(model, b, new, read) for b in map(int, args.batches.split(","))}
-            pre = prefill(model, 512)
-            rows.append((fmt, dec, pre, err, load_s))
-            print(f"  {fmt}: loaded in {load_s:.1f} s; prefill 512 {pre:.1f} tok/s; "
-                  + "; ".join(f"batch {b} {t:.1f} tok/s ({s * 100:.0f}% of the limit, {gb:.2f} GB/step)"
-                              for b, (t, s, gb) in dec.items())
-                  + f"; vs {reference['name'] if reference else '-'}: logits rel err {err[0]:.2e}, "
-                    f"greedy agreement {err[1] * 100:.0f}%", flush=True)
-            if fmt == "fp32" and args.gguf_dir and reference:
-                for quant in ("q8_0", "q4_0"):
-                    file = args.gguf_dir / f"{args.gguf_prefix}-{quant}.gguf"
-                    if file.exists():
-                        gguf_into(model, file)
-                        e = accuracy(model, reference)
-                        print(f"  llama.cpp {quant} tensors: logits rel err {e[0]:.2e}, greedy agreement {e[1] * 100:.0f}%")
-                        model = mm.load_model(path, weights="fp32")
-            del model
+            errors[fmt] = accuracy(model, reference) if reference and reference["name"] != fmt else (0.0, 1.0)
+            print(f"  {fmt}: loaded in {loads[fmt]:.1f} s; vs {reference['name'] if reference else '-'}: logits rel "
+                  f"err {errors[fmt][0]:.2e}, greedy agreement {errors[fmt][1] * 100:.0f}%", flush=True)
+        decs = {b: decode(models, b, new, read) for b in map(int, args.batches.split(","))}
+        pres = prefill(models, 512)
+        rows = [(fmt, {b: decs[b][fmt] for b in decs}, pres[fmt], errors[fmt], loads[fmt]) for fmt in models]
+        for fmt, dec, pre, _, _ in rows:
+            print(f"  {fmt}: prefill 512 {pre:.1f} tok/s; "
+                  + "; ".join(f"batch {b} {t:.1f} tok/s ({sh * 100:.0f}% of the limit, {gb:.2f} GB/step)"
+                              for b, (t, sh, gb) in dec.items()), flush=True)
+        if "fp32" in models and args.gguf_dir and reference:
+            for quant in ("q8_0", "q4_0"):
+                file = args.gguf_dir / f"{args.gguf_prefix}-{quant}.gguf"
+                if file.exists():
+                    model = mm.load_model(path, weights="fp32")
+                    gguf_into(model, file)
+                    e = accuracy(model, reference)
+                    print(f"  llama.cpp {quant} tensors: logits rel err {e[0]:.2e}, greedy agreement {e[1] * 100:.0f}%")
+                    del model
+        del models
         print(f"\nread bandwidth now {read() / 1e9:.1f} GB/s; {torch.get_num_threads()} threads")
         base = {b: t for b, (t, _, _) in rows[0][1].items()}
         print(f"{'format':8s}" + "".join(f"{'B' + str(b) + ' tok/s':>12s}{'x ' + rows[0][0]:>9s}{'limit':>7s}" for b in base)
