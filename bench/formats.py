@@ -184,7 +184,9 @@ def main() -> None:
             print(f"  {fmt}: prefill 512 {pre:.1f} tok/s; "
                   + "; ".join(f"batch {b} {t:.1f} tok/s ({sh * 100:.0f}% of the limit, {gb:.2f} GB/step)"
                               for b, (t, sh, gb) in dec.items()), flush=True)
-        if "fp32" in models and args.gguf_dir and reference:
+        names = list(models)
+        del models  # before the fp32 models of the GGUF comparison
+        if "fp32" in names and args.gguf_dir and reference:
             for quant in ("q8_0", "q4_0"):
                 file = args.gguf_dir / f"{args.gguf_prefix}-{quant}.gguf"
                 if file.exists():
@@ -193,7 +195,6 @@ def main() -> None:
                     e = accuracy(model, reference)
                     print(f"  llama.cpp {quant} tensors: logits rel err {e[0]:.2e}, greedy agreement {e[1] * 100:.0f}%")
                     del model
-        del models
         print(f"\nread bandwidth now {read() / 1e9:.1f} GB/s; {torch.get_num_threads()} threads")
         base = {b: t for b, (t, _, _) in rows[0][1].items()}
         print(f"{'format':8s}" + "".join(f"{'B' + str(b) + ' tok/s':>12s}{'x ' + rows[0][0]:>9s}{'limit':>7s}" for b in base)
