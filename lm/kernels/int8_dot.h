@@ -133,10 +133,9 @@ inline void dot_group_q4_0(const QuantizedX& x, int64_t r0, const uint8_t* group
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* o = group + b * group_block_bytes<TraitsQ4_0>();
-    __builtin_prefetch(o + PREFETCH_BYTES, 0, 3);
-    __builtin_prefetch(o + PREFETCH_BYTES + 64, 0, 3);
-    __builtin_prefetch(o + PREFETCH_BYTES + 128, 0, 3);
+    constexpr int64_t GB = group_block_bytes<TraitsQ4_0>();
+    const uint8_t* o = group + b * GB;
+    for (int64_t line = 0; line < GB; line += 64) __builtin_prefetch(o + PREFETCH_BYTES + line, 0, 3);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
     __m256i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
