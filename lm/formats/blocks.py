@@ -73,7 +73,7 @@ def _check_groups(shape, name: str) -> None:
         raise ValueError(f"{name} weights are stored in groups of {ROW_GROUP} rows, got shape {list(shape)}")
 
 
-def interleave8(q: torch.Tensor, block_bytes: int = Q4_0_BYTES) -> torch.Tensor:
+def interleave8(q: torch.Tensor, block_bytes: int) -> torch.Tensor:
     """GGUF rows of `block_bytes` blocks, uint8 [..., N, K / 32 * block_bytes] (N % 8 == 0) -> the
     same rows in groups of 8 (the module docstring's layout)."""
     *lead, n, row = q.shape
@@ -85,7 +85,7 @@ def interleave8(q: torch.Tensor, block_bytes: int = Q4_0_BYTES) -> torch.Tensor:
     return torch.cat([scales, quants], -1).reshape(*lead, n, row)
 
 
-def deinterleave8(q: torch.Tensor, block_bytes: int = Q4_0_BYTES) -> torch.Tensor:
+def deinterleave8(q: torch.Tensor, block_bytes: int) -> torch.Tensor:
     """Rows in groups of 8 -> GGUF's row-major rows (the inverse of `interleave8`)."""
     *lead, n, row = q.shape
     nb, chunks = row // block_bytes, (block_bytes - 2) // 4
@@ -134,7 +134,7 @@ def dequantize_q8_0(q: torch.Tensor, k: int) -> torch.Tensor:
 
 def dequantize_q4_0(q: torch.Tensor, k: int) -> torch.Tensor:
     """Q4_0 rows uint8 [..., N, K / 32 * 18] in groups of 8 -> float32 [..., N, K]."""
-    blocks = deinterleave8(q).reshape(-1, Q4_0_BYTES)
+    blocks = deinterleave8(q, Q4_0_BYTES).reshape(-1, Q4_0_BYTES)
     packed = blocks[:, 2:]
     values = torch.cat([packed & 15, packed >> 4], dim=-1).float() - 8  # [n, 32]: q[0..15], q[16..31]
     return (_scales(blocks) * values).view(*q.shape[:-1], k)
