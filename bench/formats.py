@@ -1,11 +1,12 @@
 """Weight formats on CPU: speed and accuracy of fp32, bf16, int8 (Q8_0) and int4 (Q4_0) storage.
 
     python -m bench.formats [--checkpoint DIR] [--formats fp32,bf16,int8,int4] [--batches 1,4,8]
-                            [--gguf-dir DIR] [--quick]
+                            [--gguf-dir DIR] [--quick] [--context N]
 
 On one bf16 checkpoint (default: a random one with bench/lm.py's proportions; `--checkpoint` takes
 any, e.g. the one `../shared/peers/make_model.py` writes for llama.cpp), for each format: decode
-tok/s at each batch (64 tokens after an 8-token prompt, best of 2, as llama-bench's tg64), the
+tok/s at each batch (64 tokens after an 8-token prompt, or `--context` tokens as llama-bench's -d;
+best of 2, as llama-bench's tg64), the
 share of its own bandwidth limit (the bytes one step touches: its weights in that format and the
 cache it reads and writes, DeltaNet states and attended keys and values / the read bandwidth
 probed between every two steps), prefill tok/s of a 512-token prompt (llama-bench's pp512: last
@@ -56,19 +57,19 @@ def real_like(model) -> None:
             p.copy_(torch.randn_like(p, dtype=torch.float32).mul_(0.6 / p.shape[-1] ** 0.5).to(p.dtype))
 
 
-def decode(models: dict, batch: int, new: int, read: ReadBandwidth, rounds: int = 2) -> dict:
-    """Per format: (tok/s best of `rounds` runs, median share of the bandwidth limit per probed step,
-    GB per step). The formats take turns (each round runs every one), so that all see the same
-    states of this VM's memory, which move a single run by up to ~40%."""
-    ids = torch.randint(0, next(iter(models.values())).config.text.vocab_size, (batch, 8),
+def decode(models: dict, batch: int, new: int, read: ReadBandwidth, rounds: int = 2, context: int = 8) -> dict:
+    """Per format: (tok/s best of `rounds` runs after a `context`-token prompt, median share of the
+    bandwidth limit per probed step, GB per step). The formats take turns (each round runs every
+    one), so that all see the same states of this VM's memory, which move a single run by up to ~40%."""
+    ids = torch.randint(0, next(iter(models.values())).config.text.vocab_size, (batch, context),
                         generator=torch.Generator().manual_seed(batch))
     touched, best = {}, dict.fromkeys(models, float("inf"))
     for fmt, model in models.items():
         counter = ExpertCounter(model)
-        greedy(model, ids, new)  # warm-up; the counter sees the routing
+        greedy(model, ids[:, :8], new)  # warm-up; the counter sees the routing
         counter.close()
         touched[fmt] = (weight_bytes_per_step(model, counter.mean() if counter.counts else 0)
-                        + cache_bytes_per_step(model, batch, ids.shape[1] + new // 2))  # at the run's mean context
+                        + cache_bytes_per_step(model, batch, context + new // 2))  # at the run's mean context
     for _ in range(rounds):
         for fmt, model in models.items():
             stamps = [time.perf_counter() for e in stream_generate(model.lm, ids, SamplingParams(max_new_tokens=new))
@@ -160,6 +161,9 @@ def main() -> None:
     parser.add_argument("--gguf-prefix", default="bench")
     parser.add_argument("--vocab", type=int, default=248320, help="vocabulary of the made checkpoint")
     parser.add_argument("--quick", action="store_true", help="16 new tokens, no accuracy run")
+    parser.add_argument("--context", type=int, default=8,
+                        help="decode after a prompt of this many tokens (llama-bench's -d: the attention "
+                             "layers then read that many keys and values a step); prefill then is skipped")
     args = parser.parse_args()
     read = ReadBandwidth()
     new = 16 if args.quick else 64
@@ -177,8 +181,8 @@ def main() -> None:
             errors[fmt] = accuracy(model, reference) if reference and reference["name"] != fmt else (0.0, 1.0)
             print(f"  {fmt}: loaded in {loads[fmt]:.1f} s; vs {reference['name'] if reference else '-'}: logits rel "
                   f"err {errors[fmt][0]:.2e}, greedy agreement {errors[fmt][1] * 100:.0f}%", flush=True)
-        decs = {b: decode(models, b, new, read) for b in map(int, args.batches.split(","))}
-        pres = prefill(models, 512)
+        decs = {b: decode(models, b, new, read, context=args.context) for b in map(int, args.batches.split(","))}
+        pres = prefill(models, 512) if args.context == 8 else dict.fromkeys(models, float("nan"))
         rows = [(fmt, {b: decs[b][fmt] for b in decs}, pres[fmt], errors[fmt], loads[fmt]) for fmt in models]
         for fmt, dec, pre, _, _ in rows:
             print(f"  {fmt}: prefill 512 {pre:.1f} tok/s; "

@@ -11,90 +11,166 @@ using namespace qwen35;
 
 namespace {
 
-// Value vectors per accumulator block of `rep` heads: 4 (64 columns) with AVX-512's 32 registers;
-// with AVX2's 16, as many as keep rep x blocks accumulators within 12 registers (a power of two, so
-// that the head dims in use, multiples of 32, have no ragged tail).
-constexpr int value_blocks(int rep) { return W == 16 || rep <= 3 ? 4 : rep <= 6 ? 2 : 1; }
+// The heads of a KV head go through both passes in groups whose accumulators fit in registers:
+// up to 8 heads per key of the score pass (one vector each), up to 4 heads of the value pass with
+// `value_blocks` vectors of columns each (4 with AVX-512's 32 registers; with AVX2's 16, as many as
+// keep the group's accumulators within 12, a power of two so that the head dims in use, multiples
+// of 32, have no ragged tail). Any head ratio works; 8 heads of 256 at 8,192 keys (4 layers x 2 KV
+// heads) took 16.8 ms as one group of 8 per pass, whole passes over the cache and std::exp, and
+// 8.2 ms as below; 4 heads 8.5 -> 4.9 ms.
+constexpr int SCORE_GROUP = 8, VALUE_GROUP = 4;
+constexpr int value_blocks(int heads) { return W == 16 || heads <= 3 ? 4 : 2; }
 
-template <int rep>  // a compile-time count, so that the accumulators live in registers
-void attend(const float* q, const float* K, const float* Vv, int64_t L, int64_t D, const bool* keep, float scale,
-            float* out, float* scores) {
-  // scores[r * L + l] = scale * q_r . K[l]  (-inf where masked)
-  for (int64_t l = 0; l < L; ++l) {
-    const float* kl = K + l * D;
-    __builtin_prefetch(kl + 8 * D, 0, 3);
-    if (keep && !keep[l]) {
-      for (int r = 0; r < rep; ++r) scores[r * L + l] = -INFINITY;
-      continue;
-    }
-    vec a[rep];
-    for (int r = 0; r < rep; ++r) a[r] = vec{};
-    int64_t d = 0;
-    for (; d + V <= D; d += V) {
-      const vec x = load(kl + d);
-      for (int r = 0; r < rep; ++r) a[r] += x * load(q + r * D + d);
-    }
-    for (int r = 0; r < rep; ++r) {
-      float s = hsum(a[r]);
-      for (int64_t j = d; j < D; ++j) s += kl[j] * q[r * D + j];
-      scores[r * L + l] = s * scale;
+// Keys per tile of the value pass: a tile's values (128 KiB at head dim 256) stay in L2 while its
+// column blocks pass over it, and the next tile's lines are prefetched meanwhile. One pass per
+// column block over the whole cache had read V from memory D / (blocks x V) times over.
+constexpr int64_t VALUE_TILE = 128;
+constexpr int64_t LINE = 64 / sizeof(float);
+
+// exp(x) for x <= 0 in float32 vectors (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6
+// polynomial in r, times 2^n through the exponent bits; ~1 ulp), 0 below -87.3 (-inf included).
+// std::exp one value at a time took as long as a fifth of the whole decode attention.
+inline vec exp_nonpositive(vec x) {
+  typedef int32_t ivec __attribute__((vector_size(sizeof(vec))));
+  const vec magic = vec{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  const vec t = x * 1.44269504088896341f + magic;
+  const vec n = t - magic;
+  vec r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vec p = vec{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.f;
+  const vec scale = (vec)(((ivec)t - (ivec)magic + 127) << 23);  // 2^n (vector casts keep the bits)
+  return (vec)((ivec)(p * scale) & (x > -87.3f));                  // the comparison: all ones where true
+}
+
+// p[l * rep + r] = exp(p[l * rep + r] - m[r]) for l < L, and sum[r] = the sum of head r's. Whole
+// runs of V keys (rep x V floats, where the heads' pattern repeats) go through vectors.
+void softmax_numerators(float* p, int64_t L, int64_t rep, const float* m, float* sum) {
+  std::vector<float> mp(rep * V), acc(rep * V, 0.f);
+  for (int i = 0; i < rep * V; ++i) mp[i] = m[i % rep];
+  int64_t l = 0;
+  for (; l + V <= L; l += V) {
+    float* row = p + l * rep;
+    for (int j = 0; j < rep; ++j) {
+      const vec e = exp_nonpositive(load(row + j * V) - load(mp.data() + j * V));
+      store(row + j * V, e);
+      store(acc.data() + j * V, load(acc.data() + j * V) + e);
     }
   }
-  // softmax per query head
-  for (int r = 0; r < rep; ++r) {
-    float* s = scores + r * L;
-    const float m = *std::max_element(s, s + L);
-    float sum = 0.f;
-    for (int64_t l = 0; l < L; ++l) sum += (s[l] = std::exp(s[l] - m));
-    const float inv = 1.f / sum;
-    for (int64_t l = 0; l < L; ++l) s[l] *= inv;
+  for (int r = 0; r < rep; ++r) sum[r] = 0.f;
+  for (int i = 0; i < rep * V; ++i) sum[i % rep] += acc[i];
+  for (; l < L; ++l)
+    for (int r = 0; r < rep; ++r) sum[r] += (p[l * rep + r] = std::exp(p[l * rep + r] - m[r]));
+}
+
+// p[r] = scale * q_r . k for the G heads r < G of q (rows of D), m[r] = max(m[r], p[r]).
+template <int G>
+inline void score_heads(const float* q, const float* k, int64_t D, float scale, float* p, float* m) {
+  vec a[G];
+  for (int r = 0; r < G; ++r) a[r] = vec{};
+  int64_t d = 0;
+  for (; d + V <= D; d += V) {
+    const vec x = load(k + d);
+    for (int r = 0; r < G; ++r) a[r] += x * load(q + r * D + d);
   }
-  // out_r = sum_l p_r[l] V[l], DC columns at a time with rep x DC / V accumulators in registers
-  constexpr int DC = value_blocks(rep) * V;
+  for (int r = 0; r < G; ++r) {
+    float s = hsum(a[r]);
+    for (int64_t j = d; j < D; ++j) s += k[j] * q[r * D + j];
+    p[r] = s * scale;
+    m[r] = std::max(m[r], p[r]);
+  }
+}
+
+// out[r] += sum_{l0 <= l < l1} p[l * rep + r] V[l] for the G heads r < G (p and out offset to the
+// group's first head), DC columns at a time with G x DC / V accumulators in registers. `next`
+// walks the next tile's lines: `per_step` prefetched per key of each column pass.
+template <int G>
+void value_heads(const float* p, int64_t rep, const float* Vv, int64_t l0, int64_t l1, int64_t D, float* out,
+                 const float*& next, const float* next_end, int64_t per_step) {
+  constexpr int DC = value_blocks(G) * V;
   for (int64_t d0 = 0; d0 < D; d0 += DC) {
-    const int64_t width = std::min<int64_t>(DC, D - d0);
-    if (width < DC) {  // a ragged tail (D not a multiple of DC): scalar
-      for (int r = 0; r < rep; ++r)
-        for (int64_t d = d0; d < d0 + width; ++d) {
-          float acc = 0.f;
-          for (int64_t l = 0; l < L; ++l) acc += scores[r * L + l] * Vv[l * D + d];
+    if (D - d0 < DC) {  // a ragged tail (D not a multiple of DC): scalar
+      for (int r = 0; r < G; ++r)
+        for (int64_t d = d0; d < D; ++d) {
+          float acc = out[r * D + d];
+          for (int64_t l = l0; l < l1; ++l) acc += p[l * rep + r] * Vv[l * D + d];
           out[r * D + d] = acc;
         }
       continue;
     }
-    vec acc[rep][DC / V];
-    for (int r = 0; r < rep; ++r)
-      for (int j = 0; j < DC / V; ++j) acc[r][j] = vec{};
-    for (int64_t l = 0; l < L; ++l) {
+    vec acc[G][DC / V];
+    for (int r = 0; r < G; ++r)
+      for (int j = 0; j < DC / V; ++j) acc[r][j] = load(out + r * D + d0 + j * V);
+    for (int64_t l = l0; l < l1; ++l) {
       const float* vl = Vv + l * D + d0;
-      __builtin_prefetch(vl + 8 * D, 0, 3);
+      for (int64_t i = 0; i < per_step && next < next_end; ++i, next += LINE) __builtin_prefetch(next, 0, 3);
       for (int j = 0; j < DC / V; ++j) {
         const vec x = load(vl + j * V);
-        for (int r = 0; r < rep; ++r) acc[r][j] += x * scores[r * L + l];
+        for (int r = 0; r < G; ++r) acc[r][j] += x * p[l * rep + r];
       }
     }
-    for (int r = 0; r < rep; ++r)
+    for (int r = 0; r < G; ++r)
       for (int j = 0; j < DC / V; ++j) store(out + r * D + d0 + j * V, acc[r][j]);
   }
 }
 
-// `rep` query heads (any count) of one KV head: the compiled counts directly, others in pieces of
-// at most 8 heads (each piece reads the KV head once more).
-void attend_heads(int64_t rep, const float* q, const float* K, const float* Vv, int64_t L, int64_t D,
-                  const bool* keep, float scale, float* out, float* scores) {
-  switch (rep) {
-    case 1: return attend<1>(q, K, Vv, L, D, keep, scale, out, scores);
-    case 2: return attend<2>(q, K, Vv, L, D, keep, scale, out, scores);
-    case 3: return attend<3>(q, K, Vv, L, D, keep, scale, out, scores);
-    case 4: return attend<4>(q, K, Vv, L, D, keep, scale, out, scores);
-    case 5: return attend<5>(q, K, Vv, L, D, keep, scale, out, scores);
-    case 6: return attend<6>(q, K, Vv, L, D, keep, scale, out, scores);
-    case 7: return attend<7>(q, K, Vv, L, D, keep, scale, out, scores);
-    case 8: return attend<8>(q, K, Vv, L, D, keep, scale, out, scores);
-    case 16: return attend<16>(q, K, Vv, L, D, keep, scale, out, scores);
-    default:
-      for (int64_t r0 = 0; r0 < rep; r0 += 8)
-        attend_heads(std::min<int64_t>(8, rep - r0), q + r0 * D, K, Vv, L, D, keep, scale, out + r0 * D, scores);
+// The `rep` query heads q [rep, D] of one KV head (K, V [L, D]) -> out [rep, D]; p: rep x L floats.
+void attend(int64_t rep, const float* q, const float* K, const float* Vv, int64_t L, int64_t D, const bool* keep,
+            float scale, float* out, float* p) {
+  // p[l * rep + r] = scale * q_r . K[l] (-inf where masked): key-major, so that the value pass
+  // reads one key's weights from one line; m[r] = head r's largest
+  std::vector<float> m(rep, -INFINITY), sum(rep);
+  for (int64_t l = 0; l < L; ++l) {
+    const float* kl = K + l * D;
+    __builtin_prefetch(kl + 8 * D, 0, 3);
+    float* pl = p + l * rep;
+    if (keep && !keep[l]) {
+      std::fill(pl, pl + rep, -INFINITY);
+      continue;
+    }
+    for (int64_t r = 0; r < rep; r += SCORE_GROUP) {
+      const float* qr = q + r * D;
+      switch (std::min<int64_t>(SCORE_GROUP, rep - r)) {
+        case 1: score_heads<1>(qr, kl, D, scale, pl + r, &m[r]); break;
+        case 2: score_heads<2>(qr, kl, D, scale, pl + r, &m[r]); break;
+        case 3: score_heads<3>(qr, kl, D, scale, pl + r, &m[r]); break;
+        case 4: score_heads<4>(qr, kl, D, scale, pl + r, &m[r]); break;
+        case 5: score_heads<5>(qr, kl, D, scale, pl + r, &m[r]); break;
+        case 6: score_heads<6>(qr, kl, D, scale, pl + r, &m[r]); break;
+        case 7: score_heads<7>(qr, kl, D, scale, pl + r, &m[r]); break;
+        default: score_heads<8>(qr, kl, D, scale, pl + r, &m[r]); break;
+      }
+    }
+  }
+  // softmax per query head: the numerators here, the division at the end
+  softmax_numerators(p, L, rep, m.data(), sum.data());
+  // out_r = sum_l p_r[l] V[l] / sum_r, key tile by key tile (a tile's rows are one contiguous block
+  // of V; its successor's lines are prefetched evenly over the tile's column passes)
+  const int64_t passes = (rep + VALUE_GROUP - 1) / VALUE_GROUP * ((D + V - 1) / V) / value_blocks(VALUE_GROUP);
+  const int64_t per_step = std::max<int64_t>(1, (D / LINE + passes - 1) / std::max<int64_t>(1, passes));
+  std::fill(out, out + rep * D, 0.f);
+  for (int64_t l0 = 0; l0 < L; l0 += VALUE_TILE) {
+    const int64_t l1 = std::min(L, l0 + VALUE_TILE);
+    const float *next = Vv + l1 * D, *next_end = Vv + std::min(L, l1 + VALUE_TILE) * D;
+    for (int64_t r = 0; r < rep; r += VALUE_GROUP) {
+      const float* pr = p + r;
+      float* o = out + r * D;
+      switch (std::min<int64_t>(VALUE_GROUP, rep - r)) {
+        case 1: value_heads<1>(pr, rep, Vv, l0, l1, D, o, next, next_end, per_step); break;
+        case 2: value_heads<2>(pr, rep, Vv, l0, l1, D, o, next, next_end, per_step); break;
+        case 3: value_heads<3>(pr, rep, Vv, l0, l1, D, o, next, next_end, per_step); break;
+        default: value_heads<4>(pr, rep, Vv, l0, l1, D, o, next, next_end, per_step); break;
+      }
+    }
+  }
+  for (int64_t r = 0; r < rep; ++r) {
+    const float inv = 1.f / sum[r];
+    for (int64_t d = 0; d < D; ++d) out[r * D + d] *= inv;
   }
 }
 
@@ -132,7 +208,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor
       const float* vh = vp + b * v.stride(0) + h * v.stride(1);
       const bool* mh = mp ? mp + b * L : nullptr;
       float* oh = op + (b * H + h * rep) * D;
-      attend_heads(rep, qh, kh, vh, lp ? lp[b] : L, D, mh, float(scale), oh, scores.data());
+      attend(rep, qh, kh, vh, lp ? lp[b] : L, D, mh, float(scale), oh, scores.data());
     }
   });
   return out;

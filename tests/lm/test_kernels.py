@@ -214,15 +214,20 @@ def test_chunked_delta_rule_kernel_equals_reference(monkeypatch, t):
 
 
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("heads,dim", [(4, 64), (8, 72)])  # 72: value columns not a multiple of the block
-def test_decode_attention_kernel_equals_reference(monkeypatch, masked, heads, dim):
+@pytest.mark.parametrize("keys", [13, 300])  # 300: several value tiles of 128 keys, and a ragged end
+# over 2 KV heads: 2-16 query heads each (the kernel's head groups: 8 per score pass, 4 per value
+# pass, and their remainders); 72: value columns not a multiple of the block
+@pytest.mark.parametrize("heads,dim", [(4, 64), (8, 72), (6, 64), (10, 64), (16, 64), (24, 32), (32, 64)])
+def test_decode_attention_kernel_equals_reference(monkeypatch, masked, keys, heads, dim):
     from lm.attention import decode_attention
 
     g = torch.Generator().manual_seed(heads)
-    q = torch.randn(2, heads, 1, dim, generator=g)
-    cache_k, cache_v = torch.randn(2, 2, 20, dim, generator=g), torch.randn(2, 2, 20, dim, generator=g)
-    k, v = cache_k[:, :, :13], cache_v[:, :, :13]  # views into a longer cache, as in decoding
-    mask = torch.rand(2, 1, 1, 13, generator=g) > 0.3 if masked else None
+    # large scores too (x 6 where there are many keys), so that most of exp's range is used and
+    # some numerators underflow to 0
+    q = torch.randn(2, heads, 1, dim, generator=g) * (6 if keys > 100 else 1)
+    cache_k, cache_v = torch.randn(2, 2, keys + 7, dim, generator=g), torch.randn(2, 2, keys + 7, dim, generator=g)
+    k, v = cache_k[:, :, :keys], cache_v[:, :, :keys]  # views into a longer cache, as in decoding
+    mask = torch.rand(2, 1, 1, keys, generator=g) > 0.3 if masked else None
     if masked:
         mask[..., -1] = True  # a query always sees itself
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
