@@ -5,8 +5,10 @@ Quantizing a 35B checkpoint to int4 reads and converts ~70 GB of bf16 tensors; t
 `~/.cache/qwen35-vl`), one safetensors file of our parameter names in their storage dtypes, so the
 next start reads the converted tensors instead of converting again. The key hashes the checkpoint's
 weight files (names, sizes, modification times), its config.json, the weights spec and
-FORMAT_VERSION, so a changed checkpoint or spec gets a new entry; entries of the same checkpoint
-with another key are deleted when a new one is written. A cache file is trusted only when its
+FORMAT_VERSION, so a changed checkpoint or spec gets a new entry. A checkpoint keeps one entry per
+spec (switching between int8 and int4 converts each once): when an entry is written, the same
+checkpoint's entries of that spec with another key (stale: the checkpoint or FORMAT_VERSION
+changed) and any without a readable record go. A cache file is trusted only when its
 header parses and it holds exactly the model's parameters with their shapes and dtypes, its size
 equals the size recorded beside it, and its marker file says it was written completely; otherwise
 it is rebuilt (said on stderr).
@@ -82,7 +84,7 @@ class WeightCache:
 
     def save(self, lm: nn.Module) -> None:
         """Write `lm`'s parameters as this entry (atomically: a marker is written last) and drop
-        older entries of the same checkpoint. A failure to write is said, not raised."""
+        the same checkpoint's stale entries of this spec. A failure to write is said, not raised."""
         tmp = self.dir.with_name(self.dir.name + ".tmp")
         try:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -90,7 +92,7 @@ class WeightCache:
             write_safetensors(tmp / FILE, {n: p.data for n, p in lm.named_parameters()})
             size = (tmp / FILE).stat().st_size
             for old in cache_root().glob(f"{self.origin}-*"):
-                if old != tmp:
+                if old != tmp and _spec_of(old) in (self.weights, None):
                     shutil.rmtree(old, ignore_errors=True)
             tmp.rename(self.dir)
             (self.dir / META).write_text(json.dumps(dict(key=self.key, size=size, checkpoint=str(self.checkpoint),
@@ -99,6 +101,14 @@ class WeightCache:
         except OSError as error:
             shutil.rmtree(tmp, ignore_errors=True)
             print(f"[qwen35] could not cache the converted weights in {self.dir}: {error}", file=sys.stderr)
+
+
+def _spec_of(entry: Path) -> str | None:
+    """The weights spec an entry was written for (its record), None when it has no readable record."""
+    try:
+        return json.loads((entry / META).read_text())["weights"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 _CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}

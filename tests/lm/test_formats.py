@@ -366,9 +366,19 @@ def test_converted_weights_are_cached_and_rebuilt_when_stale_or_damaged(tmp_path
     mm.load_model(path, weights="int4")
     assert calls and WeightCache(path, "int4").file.exists() and not entry.dir.exists()
     calls.clear()
-    mm.load_model(path, weights="int4,attention=int8")  # another spec: converted, the one entry replaced
+    mm.load_model(path, weights="int4,attention=int8")  # another spec: converted, kept beside the first
     assert calls and WeightCache(path, "int4,attention=int8").file.exists()
-    assert not WeightCache(path, "int4").dir.exists()
+    assert WeightCache(path, "int4").file.exists()
+    calls.clear()
+    mm.load_model(path, weights="int4")  # switching back converts nothing
+    mm.load_model(path, weights="int4,attention=int8")
+    assert not calls
+    stale = WeightCache(path, "int4,attention=int8").dir
+    (path / "config.json").touch()  # changed again: each spec's stale entry goes when it is rewritten
+    mm.load_model(path, weights="int4")
+    assert calls and stale.exists() and len(list(stale.parent.glob("*"))) == 2
+    mm.load_model(path, weights="int4,attention=int8")
+    assert not stale.exists() and len(list(stale.parent.glob("*"))) == 2
 
 
 def test_loading_streams_within_the_final_size_plus_the_largest_tensor(tmp_path):
