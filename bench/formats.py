@@ -12,7 +12,7 @@ cache it reads and writes, DeltaNet states and attended keys and values / the re
 probed between every two steps), prefill tok/s of a 512-token prompt (llama-bench's pp512: last
 token's logits only), and the error against fp32 on the same weights: max relative error of the
 logits of a 64-token prompt, and greedy agreement over 64 new tokens. With `--gguf-dir` (the
-`PREFIX-q8_0.gguf` / `PREFIX-q4_0.gguf` files llamacpp.sh convert writes), the same error figures
+`PREFIX-q8_0.gguf` / `PREFIX-q4_0.gguf` / `PREFIX-q4_k_m.gguf` files llamacpp.sh convert writes), the same error figures
 for llama.cpp's quantized tensors, dequantized with the `gguf` package into the fp32 model.
 The random bench model amplifies any change of its weights through its 16 layers (on it, Q8_0
 weights alone move the logits by ~70% of their range), so these figures compare formats with each
@@ -179,8 +179,11 @@ def main() -> None:
                 with torch.no_grad():
                     reference = dict(ids=ids, logits=model.lm(ids), greedy=greedy(model, ids, new)[0], name=fmt)
             errors[fmt] = accuracy(model, reference) if reference and reference["name"] != fmt else (0.0, 1.0)
-            print(f"  {fmt}: loaded in {loads[fmt]:.1f} s; vs {reference['name'] if reference else '-'}: logits rel "
-                  f"err {errors[fmt][0]:.2e}, greedy agreement {errors[fmt][1] * 100:.0f}%", flush=True)
+            print(f"  {fmt}: loaded in {loads[fmt]:.1f} s" + (
+                f"; vs {reference['name']}: logits rel err {errors[fmt][0]:.2e}, greedy agreement "
+                f"{errors[fmt][1] * 100:.0f}%" if reference else " (no accuracy run with --quick)"), flush=True)
+            if not reference:
+                errors[fmt] = (float("nan"), float("nan"))
         decs = {b: decode(models, b, new, read, context=args.context) for b in map(int, args.batches.split(","))}
         pres = prefill(models, 512) if args.context == 8 else dict.fromkeys(models, float("nan"))
         rows = [(fmt, {b: decs[b][fmt] for b in decs}, pres[fmt], errors[fmt], loads[fmt]) for fmt in models]
@@ -191,7 +194,7 @@ def main() -> None:
         names = list(models)
         del models  # before the fp32 models of the GGUF comparison
         if "fp32" in names and args.gguf_dir and reference:
-            for quant in ("q8_0", "q4_0"):
+            for quant in ("q8_0", "q4_0", "q4_k_m"):
                 file = args.gguf_dir / f"{args.gguf_prefix}-{quant}.gguf"
                 if file.exists():
                     model = mm.load_model(path, weights="fp32")
