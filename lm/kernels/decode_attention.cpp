@@ -119,12 +119,14 @@ void value_heads(const float* p, int64_t rep, const float* Vv, int64_t l0, int64
   }
 }
 
-// The `rep` query heads q [rep, D] of one KV head (K, V [L, D]) -> out [rep, D]; p: rep x L floats.
-void attend(int64_t rep, const float* q, const float* K, const float* Vv, int64_t L, int64_t D, const bool* keep,
-            float scale, float* out, float* p) {
+// The `rep` query heads q [rep, D] of one KV head over keys K, V [L, D], unnormalised: m[r] = head
+// r's largest score, sum[r] = sum_l e^(s_rl - m_r), out[r] = sum_l e^(s_rl - m_r) V[l] (a head
+// with every key masked: m = -inf, sum and out 0); p: rep x L floats of scratch.
+void attend_part(int64_t rep, const float* q, const float* K, const float* Vv, int64_t L, int64_t D,
+                 const bool* keep, float scale, float* out, float* m, float* sum, float* p) {
   // p[l * rep + r] = scale * q_r . K[l] (-inf where masked): key-major, so that the value pass
   // reads one key's weights from one line; m[r] = head r's largest
-  std::vector<float> m(rep, -INFINITY), sum(rep);
+  std::fill(m, m + rep, -INFINITY);
   for (int64_t l = 0; l < L; ++l) {
     const float* kl = K + l * D;
     __builtin_prefetch(kl + 8 * D, 0, 3);
@@ -136,20 +138,23 @@ void attend(int64_t rep, const float* q, const float* K, const float* Vv, int64_
     for (int64_t r = 0; r < rep; r += SCORE_GROUP) {
       const float* qr = q + r * D;
       switch (std::min<int64_t>(SCORE_GROUP, rep - r)) {
-        case 1: score_heads<1>(qr, kl, D, scale, pl + r, &m[r]); break;
-        case 2: score_heads<2>(qr, kl, D, scale, pl + r, &m[r]); break;
-        case 3: score_heads<3>(qr, kl, D, scale, pl + r, &m[r]); break;
-        case 4: score_heads<4>(qr, kl, D, scale, pl + r, &m[r]); break;
-        case 5: score_heads<5>(qr, kl, D, scale, pl + r, &m[r]); break;
-        case 6: score_heads<6>(qr, kl, D, scale, pl + r, &m[r]); break;
-        case 7: score_heads<7>(qr, kl, D, scale, pl + r, &m[r]); break;
-        default: score_heads<8>(qr, kl, D, scale, pl + r, &m[r]); break;
+        case 1: score_heads<1>(qr, kl, D, scale, pl + r, m + r); break;
+        case 2: score_heads<2>(qr, kl, D, scale, pl + r, m + r); break;
+        case 3: score_heads<3>(qr, kl, D, scale, pl + r, m + r); break;
+        case 4: score_heads<4>(qr, kl, D, scale, pl + r, m + r); break;
+        case 5: score_heads<5>(qr, kl, D, scale, pl + r, m + r); break;
+        case 6: score_heads<6>(qr, kl, D, scale, pl + r, m + r); break;
+        case 7: score_heads<7>(qr, kl, D, scale, pl + r, m + r); break;
+        default: score_heads<8>(qr, kl, D, scale, pl + r, m + r); break;
       }
     }
   }
-  // softmax per query head: the numerators here, the division at the end
-  softmax_numerators(p, L, rep, m.data(), sum.data());
-  // out_r = sum_l p_r[l] V[l] / sum_r, key tile by key tile (a tile's rows are one contiguous block
+  // softmax per query head: the numerators here (a head with no unmasked key: all 0), the division
+  // where the parts are combined
+  std::vector<float> shift(m, m + rep);
+  for (auto& x : shift) x = x == -INFINITY ? 0.f : x;
+  softmax_numerators(p, L, rep, shift.data(), sum);
+  // out_r = sum_l p_r[l] V[l], key tile by key tile (a tile's rows are one contiguous block
   // of V; its successor's lines are prefetched evenly over the tile's column passes)
   const int64_t passes = (rep + VALUE_GROUP - 1) / VALUE_GROUP * ((D + V - 1) / V) / value_blocks(VALUE_GROUP);
   const int64_t per_step = std::max<int64_t>(1, (D / LINE + passes - 1) / std::max<int64_t>(1, passes));
@@ -168,11 +173,11 @@ void attend(int64_t rep, const float* q, const float* K, const float* Vv, int64_
       }
     }
   }
-  for (int64_t r = 0; r < rep; ++r) {
-    const float inv = 1.f / sum[r];
-    for (int64_t d = 0; d < D; ++d) out[r * D + d] *= inv;
-  }
 }
+
+// Keys per part when one KV head's keys are split between threads (fewer rows x KV heads than
+// threads: batch 1 on a machine with more cores than KV heads): at least 4 value tiles a part.
+constexpr int64_t MIN_PART_KEYS = 4 * VALUE_TILE;
 
 }  // namespace
 
@@ -200,16 +205,44 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const bool* mp = masked ? keep.data_ptr<bool>() : nullptr;
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * KV, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores(rep * L);
+  // Tasks: (row, KV head, part); a KV head's keys are split into `parts` when there are fewer
+  // (row, KV head) pairs than threads, each part's softmax kept unnormalised (its max, sum and
+  // weighted values) and the parts combined at the end, so that every thread reads its share of
+  // the cache (flash-decoding's split).
+  const int64_t pairs = B * KV, threads = at::get_num_threads();
+  const int64_t parts =
+      pairs >= threads ? 1 : std::max<int64_t>(1, std::min((threads + pairs - 1) / pairs, L / MIN_PART_KEYS));
+  std::vector<float> outs(pairs * parts * rep * D), ms(pairs * parts * rep), sums(pairs * parts * rep);
+  at::parallel_for(0, pairs * parts, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores(rep * ((L + parts - 1) / parts + 1));
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / KV, h = t % KV;
-      const float *qh = qp + (b * H + h * rep) * D, *kh = kp + b * k.stride(0) + h * k.stride(1);
-      const float* vh = vp + b * v.stride(0) + h * v.stride(1);
-      const bool* mh = mp ? mp + b * L : nullptr;
-      float* oh = op + (b * H + h * rep) * D;
-      attend(rep, qh, kh, vh, lp ? lp[b] : L, D, mh, float(scale), oh, scores.data());
+      const int64_t b = t / parts / KV, h = t / parts % KV, part = t % parts;
+      const int64_t length = lp ? lp[b] : L, l0 = length * part / parts, l1 = length * (part + 1) / parts;
+      const float *qh = qp + (b * H + h * rep) * D, *kh = kp + b * k.stride(0) + h * k.stride(1) + l0 * D;
+      const float* vh = vp + b * v.stride(0) + h * v.stride(1) + l0 * D;
+      const bool* mh = mp ? mp + b * L + l0 : nullptr;
+      attend_part(rep, qh, kh, vh, l1 - l0, D, mh, float(scale), &outs[t * rep * D], &ms[t * rep], &sums[t * rep],
+                  scores.data());
     }
   });
+  // out_r = sum_parts e^(m_part - M) out_part / sum_parts e^(m_part - M) sum_part, M the largest m
+  // (a few thousand floats: in this thread); (row b, KV head h) -> query heads h * rep.. of row b
+  for (int64_t i = 0; i < pairs * rep; ++i) {
+    const int64_t pair = i / rep, r = i % rep;
+    float M = -INFINITY;
+    for (int64_t part = 0; part < parts; ++part) M = std::max(M, ms[(pair * parts + part) * rep + r]);
+    float total = 0.f;
+    float* o = op + i * D;
+    std::fill(o, o + D, 0.f);
+    for (int64_t part = 0; part < parts; ++part) {
+      const int64_t j = (pair * parts + part) * rep + r;
+      const float w = parts == 1 ? 1.f : ms[j] == -INFINITY ? 0.f : std::exp(ms[j] - M);
+      total += w * sums[j];
+      const float* po = &outs[j * D];
+      for (int64_t d = 0; d < D; ++d) o[d] += w * po[d];
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+  }
   return out;
 }

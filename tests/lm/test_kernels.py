@@ -252,6 +252,30 @@ def test_decode_attention_kernel_with_per_row_lengths(monkeypatch):
         assert rel_err(ours[b : b + 1], ref) < 1e-5
 
 
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_decode_attention_splits_keys_between_threads(monkeypatch, threads):
+    """Fewer (row, KV head) pairs than threads: each KV head's keys are split into parts of at least
+    512 keys, attended separately and combined (every part's max, sum and weighted values); masked
+    keys, ragged lengths (a row shorter than one part) and parts with every key masked included."""
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 8, 64, generator=g) * 4  # 8 query heads over 1 KV head
+    k, v = torch.randn(2, 1, 2000, 64, generator=g), torch.randn(2, 1, 2000, 64, generator=g)
+    keep = torch.rand(2, 2000, generator=g) > 0.3
+    keep[0, :1100] = False  # row 0's first part(s): all masked
+    lengths = torch.tensor([2000, 300])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ours = kernels._kernels().decode_attention(q, k, v, keep, 0.125, lengths)
+    finally:
+        torch.set_num_threads(before)
+    for b, n in enumerate(lengths.tolist()):
+        ref = F.scaled_dot_product_attention(q[b : b + 1, :, None], k[b : b + 1, :, :n], v[b : b + 1, :, :n],
+                                             attn_mask=keep[b, None, None, :n], scale=0.125, enable_gqa=True)[:, :, 0]  # fmt: skip
+        assert rel_err(ours[b : b + 1], ref) < 1e-5
+
+
 def test_kernels_reject_mismatched_weights_with_a_clear_error(monkeypatch):
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
     with pytest.raises(RuntimeError, match="unsupported weight dtype"):
