@@ -5,14 +5,14 @@
 
 On one bf16 checkpoint (default: a random one with bench/lm.py's proportions; `--checkpoint` takes
 any, e.g. the one `../shared/peers/make_model.py` writes for llama.cpp), for each format: decode
-tok/s at each batch (64 tokens after an 8-token prompt, or `--context` tokens as llama-bench's -d;
-best of 2, as llama-bench's tg64), the
-share of its own bandwidth limit (the bytes one step touches: its weights in that format and the
-cache it reads and writes, DeltaNet states and attended keys and values / the read bandwidth
-probed between every two steps), prefill tok/s of a 512-token prompt (llama-bench's pp512: last
-token's logits only), and the error against fp32 on the same weights: max relative error of the
-logits of a 64-token prompt, and greedy agreement over 64 new tokens. With `--gguf-dir` (the
-`PREFIX-q8_0.gguf` / `PREFIX-q4_0.gguf` / `PREFIX-q4_k_m.gguf` files llamacpp.sh convert writes), the same error figures
+tok/s at each batch (64 tokens after an 8-token prompt, or after `--context` tokens as llama-bench's
+-d; best of 2, as llama-bench's tg64), the share of its own bandwidth limit (the bytes one step
+touches: its weights in that format and the cache it reads and writes, DeltaNet states and attended
+keys and values / the read bandwidth probed between every two steps), prefill tok/s of a 512-token
+prompt (llama-bench's pp512: last token's logits only; not run with `--context`), and the error
+against fp32 on the same weights: max relative error of the logits of a 64-token prompt, and greedy
+agreement over 64 new tokens (not run with `--quick`). With `--gguf-dir` (the `PREFIX-q8_0.gguf` /
+`PREFIX-q4_0.gguf` / `PREFIX-q4_k_m.gguf` files llamacpp.sh convert writes), the same error figures
 for llama.cpp's quantized tensors, dequantized with the `gguf` package into the fp32 model.
 The random bench model amplifies any change of its weights through its 16 layers (on it, Q8_0
 weights alone move the logits by ~70% of their range), so these figures compare formats with each
