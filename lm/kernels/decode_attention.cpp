@@ -48,11 +48,12 @@ inline vec exp_nonpositive(vec x) {
   return (vec)((ivec)(p * scale) & (x > -87.3f));                  // the comparison: all ones where true
 }
 
-// p[l * rep + r] = exp(p[l * rep + r] - m[r]) for l < L, and sum[r] = the sum of head r's. Whole
-// runs of V keys (rep x V floats, where the heads' pattern repeats) go through vectors.
+// p[l * rep + r] = exp(p[l * rep + r] - m[r]) for l < L, and sum[r] = the sum of head r's (a head
+// whose every score is -inf, m[r] = -inf: all 0). Whole runs of V keys (rep x V floats, where the
+// heads' pattern repeats) go through vectors.
 void softmax_numerators(float* p, int64_t L, int64_t rep, const float* m, float* sum) {
   std::vector<float> mp(rep * V), acc(rep * V, 0.f);
-  for (int i = 0; i < rep * V; ++i) mp[i] = m[i % rep];
+  for (int i = 0; i < rep * V; ++i) mp[i] = m[i % rep] == -INFINITY ? 0.f : m[i % rep];
   int64_t l = 0;
   for (; l + V <= L; l += V) {
     float* row = p + l * rep;
@@ -65,7 +66,7 @@ void softmax_numerators(float* p, int64_t L, int64_t rep, const float* m, float*
   for (int r = 0; r < rep; ++r) sum[r] = 0.f;
   for (int i = 0; i < rep * V; ++i) sum[i % rep] += acc[i];
   for (; l < L; ++l)
-    for (int r = 0; r < rep; ++r) sum[r] += (p[l * rep + r] = std::exp(p[l * rep + r] - m[r]));
+    for (int r = 0; r < rep; ++r) sum[r] += (p[l * rep + r] = std::exp(p[l * rep + r] - mp[r]));
 }
 
 // p[r] = scale * q_r . k for the G heads r < G of q (rows of D), m[r] = max(m[r], p[r]).
@@ -149,11 +150,8 @@ void attend_part(int64_t rep, const float* q, const float* K, const float* Vv, i
       }
     }
   }
-  // softmax per query head: the numerators here (a head with no unmasked key: all 0), the division
-  // where the parts are combined
-  std::vector<float> shift(m, m + rep);
-  for (auto& x : shift) x = x == -INFINITY ? 0.f : x;
-  softmax_numerators(p, L, rep, shift.data(), sum);
+  // softmax per query head: the numerators here, the division where the parts are combined
+  softmax_numerators(p, L, rep, m, sum);
   // out_r = sum_l p_r[l] V[l], key tile by key tile (a tile's rows are one contiguous block
   // of V; its successor's lines are prefetched evenly over the tile's column passes)
   const int64_t passes = (rep + VALUE_GROUP - 1) / VALUE_GROUP * ((D + V - 1) / V) / value_blocks(VALUE_GROUP);
@@ -236,7 +234,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor
     std::fill(o, o + D, 0.f);
     for (int64_t part = 0; part < parts; ++part) {
       const int64_t j = (pair * parts + part) * rep + r;
-      const float w = parts == 1 ? 1.f : ms[j] == -INFINITY ? 0.f : std::exp(ms[j] - M);
+      const float w = ms[j] == -INFINITY ? 0.f : std::exp(ms[j] - M);  // 1 for the part holding M
       total += w * sums[j];
       const float* po = &outs[j * D];
       for (int64_t d = 0; d < D; ++d) o[d] += w * po[d];

@@ -87,6 +87,17 @@ inline void quantize_x(const float* x, int64_t M, int64_t ldx, int64_t K, Quanti
 #if defined(__AVX2__)
 constexpr bool INT8_DOT = true;
 
+// Block b of a Q8_0 / Q4_0 group (format T): its address, its lines PREFETCH_BYTES ahead prefetched,
+// and its 8 rows' fp16 scales as floats in *dw.
+template <class T>
+inline const uint8_t* group_block(const uint8_t* group, int64_t b, __m256* dw) {
+  constexpr int64_t GB = group_block_bytes<T>();
+  const uint8_t* o = group + b * GB;
+  for (int64_t line = 0; line < GB; line += 64) __builtin_prefetch(o + PREFETCH_BYTES + line, 0, 3);
+  *dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
+  return o;
+}
+
 // y[r * ldy + j] = row j of a Q8_0 group . x[r0 + r] for r < R, j < 8. Per block: the 8 rows' scales
 // in one conversion; for each chunk c, the quants of the 8 rows' bytes 4c..4c+3 (one 32-bit lane
 // per row) against x's quants 4c..4c+3 broadcast, as |w| times x with w's sign (vpmaddubsw takes
@@ -94,15 +105,13 @@ constexpr bool INT8_DOT = true;
 // int16 pair sums (at most 2 x 127 x 127) go to int32 before the next is added.
 template <int R>
 inline void dot_group_q8_0(const QuantizedX& x, int64_t r0, const uint8_t* group, float* y, int64_t ldy) {
-  constexpr int64_t GB = group_block_bytes<TraitsQ8_0>();
   const int64_t K = x.K, nb = K / QK;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* o = group + b * GB;
-    for (int64_t line = 0; line < GB; line += 64) __builtin_prefetch(o + PREFETCH_BYTES + line, 0, 3);
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
+    __m256 dw;
+    const uint8_t* o = group_block<TraitsQ8_0>(group, b, &dw);
     __m256i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
@@ -133,10 +142,8 @@ inline void dot_group_q4_0(const QuantizedX& x, int64_t r0, const uint8_t* group
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    constexpr int64_t GB = group_block_bytes<TraitsQ4_0>();
-    const uint8_t* o = group + b * GB;
-    for (int64_t line = 0; line < GB; line += 64) __builtin_prefetch(o + PREFETCH_BYTES + line, 0, 3);
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
+    __m256 dw;
+    const uint8_t* o = group_block<TraitsQ4_0>(group, b, &dw);
     __m256i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
