@@ -28,7 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one query token per row over the KV cache (GQA); lengths [B] int64 per row, or empty: all keys");
   m.def("rms_norm", &rms_norm, "x / rms(x) * (offset + w) per row");
   m.def("causal_conv", &causal_conv, "depthwise causal conv + SiLU along time, one pass (prefill)");
-  py::class_<DecodePlan>(m, "DecodePlan", "a whole decode step through the layer stack (see kernels.h)")
+  // module_local: two builds of these kernels can be loaded in one process (an A/B of two versions)
+  py::class_<DecodePlan>(m, "DecodePlan", py::module_local(), "a whole decode step through the layer stack (see kernels.h)")
       .def(py::init<double>())
       .def("add_deltanet", &DecodePlan::add_deltanet)
       .def("add_attention", &DecodePlan::add_attention)

@@ -87,13 +87,14 @@ inline void quantize_x(const float* x, int64_t M, int64_t ldx, int64_t K, Quanti
 #if defined(__AVX2__)
 constexpr bool INT8_DOT = true;
 
-// Block b of a Q8_0 / Q4_0 group (format T): its address, its lines PREFETCH_BYTES ahead prefetched,
-// and its 8 rows' fp16 scales as floats in *dw.
-template <class T>
+// Block b of a Q8_0 / Q4_0 group (format T) in a product of R rows: its address, its lines
+// PREFETCH_BYTES ahead prefetched (from PREFETCH_ROWS rows on), and its 8 rows' fp16 scales as
+// floats in *dw.
+template <class T, int R>
 inline const uint8_t* group_block(const uint8_t* group, int64_t b, __m256* dw) {
   constexpr int64_t GB = group_block_bytes<T>();
   const uint8_t* o = group + b * GB;
-  for (int64_t line = 0; line < GB; line += 64) __builtin_prefetch(o + PREFETCH_BYTES + line, 0, 3);
+  for (int64_t line = 0; line < GB; line += 64) prefetch_ahead<R>(o + line, PREFETCH_BYTES);
   *dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
   return o;
 }
@@ -111,7 +112,7 @@ inline void dot_group_q8_0(const QuantizedX& x, int64_t r0, const uint8_t* group
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m256 dw;
-    const uint8_t* o = group_block<TraitsQ8_0>(group, b, &dw);
+    const uint8_t* o = group_block<TraitsQ8_0, R>(group, b, &dw);
     __m256i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
@@ -143,7 +144,7 @@ inline void dot_group_q4_0(const QuantizedX& x, int64_t r0, const uint8_t* group
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m256 dw;
-    const uint8_t* o = group_block<TraitsQ4_0>(group, b, &dw);
+    const uint8_t* o = group_block<TraitsQ4_0, R>(group, b, &dw);
     __m256i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {

@@ -42,9 +42,9 @@ inline vec load(const float* p) {
 
 inline void store(float* p, vec v) { __builtin_memcpy(p, &v, sizeof(vec)); }
 
-constexpr int64_t PREFETCH = 2048;  // floats ahead of the current position (8 KiB)
+constexpr int64_t PREFETCH = 2048;  // floats ahead of the current position (8 KiB) in float32 rows
 
-// y[r * ldy] = x[r] . w for r < R (R <= 8): one weight row streamed once (prefetched ahead), with
+// y[r * ldy] = x[r] . w for r < R (R <= 8): one weight row streamed once, with
 // independent accumulator chains per x row.
 template <int R>
 inline void dot_row(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
@@ -56,7 +56,7 @@ inline void dot_row(const float* x, int64_t ldx, const float* w, int64_t K, floa
     for (int c = 0; c < C; ++c) a[r][c] = vec{};
   int64_t k = 0;
   for (; k + C * V <= K; k += C * V) {
-    for (int c = 0; c < C; ++c) __builtin_prefetch(w + k + c * V + PREFETCH, 0, 3);  // every line
+    for (int c = 0; c < C; ++c) prefetch_ahead<R>(w + k + c * V, 4 * PREFETCH);
     for (int c = 0; c < C; ++c) {
       const vec wc = load(w + k + c * V);
       for (int r = 0; r < R; ++r) a[r][c] += load(x + r * ldx + k + c * V) * wc;
@@ -82,7 +82,7 @@ inline void dot_row_wide(const float* x, int64_t ldx, const float* w, int64_t k0
   for (int r = 0; r < R; ++r) a[r] = vec8{};
   int64_t k = k0;
   for (; k + 8 <= k1; k += 8) {
-    if ((k & 15) == 0) __builtin_prefetch(w + k + PREFETCH, 0, 3);  // every line
+    if ((k & 15) == 0) prefetch_ahead<R>(w + k, 4 * PREFETCH);  // every line
     vec8 wk;
     __builtin_memcpy(&wk, w + k, sizeof(vec8));
     for (int r = 0; r < R; ++r) {
@@ -144,7 +144,7 @@ inline void dot_row_fmt(const float* x, int64_t ldx, const uint8_t* w, int64_t k
     for (int c = 0; c < C; ++c) a[r][c] = wvec{};
   const int64_t b1 = k1 / QK;
   for (int64_t b = k0 / QK; b < b1; ++b) {
-    __builtin_prefetch(w + b * T::block_bytes + PREFETCH_BYTES, 0, 3);
+    prefetch_ahead<R>(w + b * T::block_bytes, PREFETCH_BYTES);
     wvec wv[NB];
     T::load(w, b, wv);
     for (int j = 0; j < NB; ++j)
@@ -235,7 +235,7 @@ inline void panel_rows(const float* xt, const float* w, int64_t K, float* y, int
   for (int64_t k = 0; k < K; ++k, w += NV * V) {
     vec wv[NV];
     for (int v = 0; v < NV; ++v) {
-      __builtin_prefetch(w + v * V + PREFETCH, 0, 3);  // every line
+      prefetch_ahead<R>(w + v * V, 4 * PREFETCH);  // every line
       wv[v] = load(w + v * V);
     }
     for (int r = 0; r < R; ++r) {
