@@ -1,0 +1,143 @@
+"""A/B of two versions of the CPU kernels in one process: the current tree against a git revision.
+
+    python -m bench.ab [--base REV] [--checkpoint DIR] [--formats bf16,int4] [--batch 1]
+                       [--rounds 8] [--products]
+
+Builds the kernels of `--base` (default HEAD: the committed version, against the uncommitted edits)
+in a temporary git worktree, and the current tree's, loads both modules into this process and runs
+the same work through each in turn: whole greedy decode steps of a checkpoint (default: a random one
+with bench/lm.py's proportions, as bench.formats makes), or with `--products` the decode products
+of bench.products. Each round runs A then B or B then A (alternating), and the medians over rounds
+are compared. This machine's memory moves between states (read bandwidth ~30 and ~60 GB/s, within
+seconds) that shift a single run by up to 40%, more than most changes a kernel edit makes; runs
+taken in turns see the same states, so their ratio keeps what separate runs lose in the noise.
+
+The base must have the DecodePlan binding marked module_local, or be loaded before one that has
+(the base loads first), for two builds to live in one process. A build takes ~90 s on 2 cores the
+first time; both are cached by the hash of their sources (lm/kernels/build.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build(tree: Path) -> Path:
+    """Build (or find) the kernels of the checkout at `tree`; returns the .so's path."""
+    run = subprocess.run([sys.executable, "-m", "lm.kernels.build"], cwd=tree, capture_output=True, text=True)
+    found = re.search(r"CPU kernels ready: (\S+\.so)", run.stdout + run.stderr)
+    if run.returncode or not found:
+        raise SystemExit(f"the kernels of {tree} did not build:\n{run.stdout}{run.stderr}")
+    return Path(found.group(1))
+
+
+def build_revision(rev: str) -> Path:
+    """The kernels of git revision `rev`, built in a temporary worktree (removed afterwards)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), rev], cwd=ROOT, check=True)
+        try:
+            return build(tree)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=True)
+
+
+def load(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def alternate(a, b, rounds: int, run) -> tuple[float, float]:
+    """Median of `run(module)` over `rounds` turns of each, A and B in alternating order."""
+    got = {id(a): [], id(b): []}
+    for i in range(rounds):
+        for m in (a, b) if i % 2 == 0 else (b, a):
+            got[id(m)].append(run(m))
+    return statistics.median(got[id(a)]), statistics.median(got[id(b)])
+
+
+def decode_rate(model, ids: torch.Tensor, module, new: int = 48) -> float:
+    """Tokens/s of a greedy generation with `module` as the kernels (each generation builds its
+    decode plan from the module in use)."""
+    import lm.kernels
+    from lm import SamplingParams, stream_generate
+
+    lm.kernels._state["module"] = module
+    stamps = [time.perf_counter() for e in stream_generate(model.lm, ids, SamplingParams(max_new_tokens=new))
+              if e.row == 0]
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0]) * ids.shape[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--base", default="HEAD", help="git revision of the A kernels (B: the current tree)")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="a bf16 checkpoint (default: make one)")
+    parser.add_argument("--formats", default="bf16,int4")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--products", action="store_true", help="the decode products alone (bench.products)")
+    args = parser.parse_args()
+
+    print(f"building the kernels of {args.base} (A) and of the current tree (B) ...", flush=True)
+    a_path, b_path = build_revision(args.base), build(ROOT)
+    print(f"A: {a_path}\nB: {b_path}")
+    if a_path == b_path:
+        raise SystemExit("A and B are the same build (no change to lm/kernels): nothing to compare")
+    a, b = load(a_path), load(b_path)  # the base first (see the module docstring)
+
+    from bench.limits import ReadBandwidth
+
+    probe = ReadBandwidth(1.0)
+    formats = args.formats.split(",")
+    if args.products:
+        from bench.products import SHAPES, weights_in
+        from lm.formats import FORMATS
+
+        for fmt in formats:
+            weights = [(w, torch.randn(args.batch, k)) for w, (_, k) in zip(weights_in(FORMATS[fmt], SHAPES), SHAPES)]
+            total = sum(w.numel() * w.element_size() for w, _ in weights)
+
+            def run(module, weights=weights, total=total):
+                start = time.perf_counter()
+                for w, x in weights:
+                    module.small_m_linear(x, w, torch.empty(0))
+                return total / (time.perf_counter() - start)
+
+            ra, rb = alternate(a, b, args.rounds, run)
+            print(f"{fmt} products, {args.batch} row(s): A {ra / 1e9:.1f} GB/s, B {rb / 1e9:.1f} GB/s, "
+                  f"B/A {rb / ra:.3f} (read bandwidth now {probe(3) / 1e9:.0f} GB/s)", flush=True)
+        return
+
+    import mm
+    from bench.formats import make_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.checkpoint or make_checkpoint(Path(tmp) / "bench-bf16", 248320)
+        for fmt in formats:
+            model = mm.load_model(path, weights=fmt)
+            ids = torch.randint(0, model.config.text.vocab_size, (args.batch, 8), generator=torch.Generator().manual_seed(1))
+            decode_rate(model, ids, a, 8)  # warm-up of both
+            decode_rate(model, ids, b, 8)
+            ra, rb = alternate(a, b, args.rounds, lambda m: decode_rate(model, ids, m))
+            print(f"{fmt} decode, batch {args.batch}: A {ra:.1f} tok/s, B {rb:.1f} tok/s, B/A {rb / ra:.3f} "
+                  f"(read bandwidth now {probe(3) / 1e9:.0f} GB/s)", flush=True)
+            del model
+
+
+if __name__ == "__main__":
+    main()
