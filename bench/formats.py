@@ -1,12 +1,12 @@
 """Weight formats on CPU: speed and accuracy of fp32, bf16, int8 (Q8_0) and int4 (Q4_0) storage.
 
     python -m bench.formats [--checkpoint DIR] [--formats fp32,bf16,int8,int4] [--batches 1,4,8]
-                            [--gguf-dir DIR] [--quick] [--context N]
+                            [--gguf-dir DIR] [--quick] [--context N] [--rounds 2]
 
 On one bf16 checkpoint (default: a random one with bench/lm.py's proportions; `--checkpoint` takes
 any, e.g. the one `../shared/peers/make_model.py` writes for llama.cpp), for each format: decode
 tok/s at each batch (64 tokens after an 8-token prompt, or after `--context` tokens as llama-bench's
--d; best of 2, as llama-bench's tg64), the share of its own bandwidth limit (the bytes one step
+-d; best of `--rounds`, 2 by default, as llama-bench's tg64), the share of its own bandwidth limit (the bytes one step
 touches: its weights in that format and the cache it reads and writes, DeltaNet states and attended
 keys and values / the read bandwidth probed between every two steps), prefill tok/s of a 512-token
 prompt (llama-bench's pp512: last token's logits only; not run with `--context`), and the error
@@ -161,6 +161,8 @@ def main() -> None:
     parser.add_argument("--gguf-prefix", default="bench")
     parser.add_argument("--vocab", type=int, default=248320, help="vocabulary of the made checkpoint")
     parser.add_argument("--quick", action="store_true", help="16 new tokens, no accuracy run")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="decode runs per format and batch, the formats in turns; the best counts")
     parser.add_argument("--context", type=int, default=8,
                         help="decode after a prompt of this many tokens (llama-bench's -d: the attention "
                              "layers then read that many keys and values a step); prefill then is skipped")
@@ -184,7 +186,7 @@ def main() -> None:
                 f"{errors[fmt][1] * 100:.0f}%" if reference else " (no accuracy run with --quick)"), flush=True)
             if not reference:
                 errors[fmt] = (float("nan"), float("nan"))
-        decs = {b: decode(models, b, new, read, context=args.context) for b in map(int, args.batches.split(","))}
+        decs = {b: decode(models, b, new, read, args.rounds, args.context) for b in map(int, args.batches.split(","))}
         pres = prefill(models, 512) if args.context == 8 else dict.fromkeys(models, float("nan"))
         rows = [(fmt, {b: decs[b][fmt] for b in decs}, pres[fmt], errors[fmt], loads[fmt]) for fmt in models]
         for fmt, dec, pre, _, _ in rows:
