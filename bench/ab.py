@@ -20,7 +20,6 @@ first time; both are cached by the hash of their sources (lm/kernels/build.py).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 import statistics
 import subprocess
@@ -28,9 +27,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import ModuleType
 
 import torch
+
+from lm import kernels
+from lm.kernels.build import _import
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,13 +56,6 @@ def build_revision(rev: str) -> Path:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=True)
 
 
-def load(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def alternate(a, b, rounds: int, run) -> tuple[float, float]:
     """Median of `run(module)` over `rounds` turns of each, A and B in alternating order."""
     got = {id(a): [], id(b): []}
@@ -74,10 +68,9 @@ def alternate(a, b, rounds: int, run) -> tuple[float, float]:
 def decode_rate(model, ids: torch.Tensor, module, new: int = 48) -> float:
     """Tokens/s of a greedy generation with `module` as the kernels (each generation builds its
     decode plan from the module in use)."""
-    import lm.kernels
     from lm import SamplingParams, stream_generate
 
-    lm.kernels._state["module"] = module
+    kernels._state["module"] = module
     stamps = [time.perf_counter() for e in stream_generate(model.lm, ids, SamplingParams(max_new_tokens=new))
               if e.row == 0]
     return (len(stamps) - 1) / (stamps[-1] - stamps[0]) * ids.shape[0]
@@ -98,7 +91,7 @@ def main() -> None:
     print(f"A: {a_path}\nB: {b_path}")
     if a_path == b_path:
         raise SystemExit("A and B are the same build (no change to lm/kernels): nothing to compare")
-    a, b = load(a_path), load(b_path)  # the base first (see the module docstring)
+    a, b = (_import(p.stem, p) for p in (a_path, b_path))  # the base first (see the module docstring)
 
     from bench.limits import ReadBandwidth
 
@@ -115,7 +108,7 @@ def main() -> None:
             def run(module, weights=weights, total=total):
                 start = time.perf_counter()
                 for w, x in weights:
-                    module.small_m_linear(x, w, torch.empty(0))
+                    module.small_m_linear(x, w, kernels._NO_PANELS)
                 return total / (time.perf_counter() - start)
 
             ra, rb = alternate(a, b, args.rounds, run)
