@@ -41,6 +41,8 @@ typedef uint32_t wvec_u32 __attribute__((vector_size(W * 4)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
 constexpr int QK = 32;       // weights per block of the block formats
+constexpr int NB = QK / W;   // vectors per block
+
 // Software prefetch of a product's weight stream, `ahead` bytes ahead of p, in products of at least
 // PREFETCH_ROWS rows of x (R, the rows of the kernel). Measured on Zen 4 (2 cores, bench.products):
 // with one row, whose products are memory-bound, the hardware prefetchers alone stream faster
@@ -56,8 +58,6 @@ template <int R>
 inline void prefetch_ahead(const void* p, int64_t ahead) {
   if constexpr (R >= PREFETCH_ROWS) __builtin_prefetch(static_cast<const char*>(p) + ahead, 0, 3);
 }
-
-constexpr int NB = QK / W;   // vectors per block
 
 enum Fmt : int { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3 };
 

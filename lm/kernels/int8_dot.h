@@ -148,7 +148,7 @@ inline void dot_group_q4_0(const QuantizedX& x, int64_t r0, const uint8_t* group
     const uint8_t* o = group_block<TraitsQ4_0, R>(group, b, &dw);
     __m256i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
-#pragma GCC unroll 2  // as in dot_group_q8_0: with 4 rows, 1.07x (8 rows) to 1.19x (4 rows) whole int4 steps
+#pragma GCC unroll 2  // as in dot_group_q8_0 (whole int4 steps 1.19x at batch 4, 1.07x at batch 8)
     for (int c = 0; c < 4; ++c) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 16 + c * 32));
       const __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);

@@ -42,7 +42,7 @@ inline vec load(const float* p) {
 
 inline void store(float* p, vec v) { __builtin_memcpy(p, &v, sizeof(vec)); }
 
-constexpr int64_t PREFETCH = 2048;  // floats ahead of the current position (8 KiB) in float32 rows
+constexpr int64_t PREFETCH_F32_BYTES = 8192;  // how far ahead the float32 kernels prefetch a weight row
 
 // y[r * ldy] = x[r] . w for r < R (R <= 8): one weight row streamed once, with
 // independent accumulator chains per x row.
@@ -56,7 +56,7 @@ inline void dot_row(const float* x, int64_t ldx, const float* w, int64_t K, floa
     for (int c = 0; c < C; ++c) a[r][c] = vec{};
   int64_t k = 0;
   for (; k + C * V <= K; k += C * V) {
-    for (int c = 0; c < C; ++c) prefetch_ahead<R>(w + k + c * V, 4 * PREFETCH);
+    for (int c = 0; c < C; ++c) prefetch_ahead<R>(w + k + c * V, PREFETCH_F32_BYTES);
     for (int c = 0; c < C; ++c) {
       const vec wc = load(w + k + c * V);
       for (int r = 0; r < R; ++r) a[r][c] += load(x + r * ldx + k + c * V) * wc;
@@ -82,7 +82,7 @@ inline void dot_row_wide(const float* x, int64_t ldx, const float* w, int64_t k0
   for (int r = 0; r < R; ++r) a[r] = vec8{};
   int64_t k = k0;
   for (; k + 8 <= k1; k += 8) {
-    if ((k & 15) == 0) prefetch_ahead<R>(w + k, 4 * PREFETCH);  // every line
+    if ((k & 15) == 0) prefetch_ahead<R>(w + k, PREFETCH_F32_BYTES);  // every line
     vec8 wk;
     __builtin_memcpy(&wk, w + k, sizeof(vec8));
     for (int r = 0; r < R; ++r) {
@@ -235,7 +235,7 @@ inline void panel_rows(const float* xt, const float* w, int64_t K, float* y, int
   for (int64_t k = 0; k < K; ++k, w += NV * V) {
     vec wv[NV];
     for (int v = 0; v < NV; ++v) {
-      prefetch_ahead<R>(w + v * V, 4 * PREFETCH);  // every line
+      prefetch_ahead<R>(w + v * V, PREFETCH_F32_BYTES);  // every line
       wv[v] = load(w + v * V);
     }
     for (int r = 0; r < R; ++r) {
