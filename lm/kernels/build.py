@@ -13,6 +13,11 @@ without a compiler; the name depends only on file contents, never on where the c
 so a fresh clone finds the build of an earlier one. Nothing else is cached: a different CPU,
 source file, torch or Python version means a new name and one new build.
 
+QWEN35_CPU_ISA=avx2 builds and loads the kernels without AVX-512 and AVX-VNNI (`-mno-avx512f
+-mno-avxvnni`) on a CPU that has them: the code an AVX2-only CPU (Zen 2/3, Haswell to Skylake
+client) runs, so that both builds can be measured on one machine. Its name carries "avx2" and the
+extra flags, so it never replaces the native build.
+
 `python -m lm.kernels.build` builds them now (the install step runs it); front ends call
 `prebuild()` before they serve, so that no request waits minutes for a build.
 """
@@ -38,6 +43,9 @@ SOURCES = sorted(str(p) for p in HERE.glob("*.cpp"))  # each kernel in its file;
 # -fopenmp: at::parallel_for is header code that parallelises only when OpenMP is on; the
 # libgomp.so.1 torch already loaded serves it, so there is one OpenMP runtime.
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# QWEN35_CPU_ISA: "native" (default), or "avx2": the flags these add to CFLAGS, and the CPU flags
+# they switch off (dropped from the flags that name the build).
+ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f", "-mno-avxvnni"]}
 LDFLAGS = ["-fopenmp"]
 BASE_NAME = "qwen35_cpu_kernels"
 # A first build on 2 cores (ninja compiles the files in parallel): measured 153 s on the shared development
@@ -60,6 +68,27 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
         if sep and key.strip() in ("flags", "Features"):
             return frozenset(value.split())
     return frozenset()
+
+
+def isa() -> str:
+    """QWEN35_CPU_ISA: which instruction set the kernels are built for ("native" or "avx2")."""
+    value = os.environ.get("QWEN35_CPU_ISA", "native").strip().lower() or "native"
+    if value not in ISA_FLAGS:
+        raise ValueError(f"QWEN35_CPU_ISA must be one of {', '.join(ISA_FLAGS)}, got {value!r}")
+    return value
+
+
+def cflags() -> list[str]:
+    """The compiler flags of the build QWEN35_CPU_ISA asks for."""
+    return [*CFLAGS, *ISA_FLAGS[isa()]]
+
+
+def build_flags(flags: Iterable[str]) -> frozenset[str]:
+    """The CPU flags the build uses: `flags` less AVX-512 and AVX-VNNI under QWEN35_CPU_ISA=avx2."""
+    flags = frozenset(flags)
+    if isa() == "avx2":
+        flags = frozenset(f for f in flags if not f.startswith("avx512") and f != "avx_vnni")
+    return flags
 
 
 def isa_tag(flags: Iterable[str], machine: str | None = None) -> str:
@@ -88,13 +117,13 @@ def source_tag() -> str:
     digest = hashlib.sha256()
     for path in sorted([*HERE.glob("*.cpp"), *HERE.glob("*.h")]):
         digest.update(f"{path.name}\n".encode() + path.read_bytes() + b"\n")
-    digest.update(" ".join([*CFLAGS, "|", *LDFLAGS, torch.__version__, sys.implementation.cache_tag]).encode())
+    digest.update(" ".join([*cflags(), "|", *LDFLAGS, torch.__version__, sys.implementation.cache_tag]).encode())
     return digest.hexdigest()[:8]
 
 
 def extension_name(flags: Iterable[str] | None = None) -> str:
     """The extension's module name for this CPU (or for `flags`) and the current sources."""
-    return f"{BASE_NAME}_{isa_tag(cpu_flags() if flags is None else flags)}_{source_tag()}"
+    return f"{BASE_NAME}_{isa_tag(build_flags(cpu_flags() if flags is None else flags))}_{source_tag()}"
 
 
 def build_root() -> Path:
@@ -172,7 +201,7 @@ def import_builder() -> Callable[..., ModuleType]:
 def _build(name: str, directory: Path) -> ModuleType:
     load = import_builder()
     directory.mkdir(parents=True, exist_ok=True)
-    return load(name=name, sources=SOURCES, extra_include_paths=[str(HERE)], extra_cflags=CFLAGS,
+    return load(name=name, sources=SOURCES, extra_include_paths=[str(HERE)], extra_cflags=cflags(),
                 extra_ldflags=LDFLAGS, build_directory=str(directory))  # fmt: skip
 
 
@@ -204,7 +233,8 @@ def main() -> int:
         print(f"error: the CPU kernels did not build: {error}\nInstall a C++ compiler (g++) and ninja, or set "
               "QWEN35_CPU_KERNELS=0 to run the 2-3x slower reference paths.", file=sys.stderr)  # fmt: skip
         return 1
-    print(f"[qwen35] CPU kernels ready: {cached_library(name) or build_directory(name)}", file=sys.stderr)
+    built_for = "" if isa() == "native" else f" (QWEN35_CPU_ISA={isa()})"
+    print(f"[qwen35] CPU kernels ready{built_for}: {cached_library(name) or build_directory(name)}", file=sys.stderr)
     return 0
 
 

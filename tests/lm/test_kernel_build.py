@@ -43,6 +43,22 @@ def test_the_extension_name_differs_by_instruction_set():
     assert isa_tag({"fp", "asimd"}, "aarch64").startswith("aarch64_")
 
 
+def test_the_avx2_build_of_an_avx512_cpu_has_its_own_name_and_flags(monkeypatch):
+    from lm.kernels import build
+
+    avx512 = AVX2 | {"avx512f", "avx512bw", "avx_vnni"}
+    native = extension_name(avx512)
+    assert build.cflags() == build.CFLAGS
+    monkeypatch.setenv("QWEN35_CPU_ISA", "avx2")
+    assert build.cflags() == [*build.CFLAGS, "-mno-avx512f", "-mno-avxvnni"]
+    assert build.build_flags(avx512) == AVX2  # the build's name lists the flags it uses
+    forced = extension_name(avx512)
+    assert "_avx2_" in forced and forced != native
+    monkeypatch.setenv("QWEN35_CPU_ISA", "sse")
+    with pytest.raises(ValueError, match="QWEN35_CPU_ISA must be one of native, avx2, got 'sse'"):
+        build.cflags()
+
+
 def test_a_build_for_another_instruction_set_is_not_loaded(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     other = extension_name(set(cpu_flags()) ^ {"avx512f"})  # this CPU with AVX-512 toggled
