@@ -1,7 +1,7 @@
 """A/B of two versions of the CPU kernels in one process: the current tree against a git revision.
 
     python -m bench.ab [--base REV] [--checkpoint DIR] [--formats bf16,int4] [--batch 1]
-                       [--rounds 8] [--products]
+                       [--rounds 8] [--products] [--base-isa native|avx2] [--isa native|avx2]
 
 Builds the kernels of `--base` (default HEAD: the committed version, against the uncommitted edits)
 in a temporary git worktree, and the current tree's, loads both modules into this process and runs
@@ -11,6 +11,8 @@ of bench.products. Each round runs A then B or B then A (alternating), and the m
 are compared. This machine's memory moves between states (read bandwidth ~30 and ~60 GB/s, within
 seconds) that shift a single run by up to 40%, more than most changes a kernel edit makes; runs
 taken in turns see the same states, so their ratio keeps what separate runs lose in the noise.
+`--base-isa` / `--isa` build A / B for that instruction set (QWEN35_CPU_ISA, lm/kernels/build.py):
+`--base-isa avx2` with no edits compares the AVX2 build with this CPU's own.
 
 The base must have the DecodePlan binding marked module_local, or be loaded before one that has
 (the base loads first), for two builds to live in one process. A build takes ~90 s on 2 cores the
@@ -20,6 +22,7 @@ first time; both are cached by the hash of their sources (lm/kernels/build.py).
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import subprocess
@@ -36,22 +39,23 @@ from lm.kernels.build import _import
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def build(tree: Path) -> Path:
-    """Build (or find) the kernels of the checkout at `tree`; returns the .so's path."""
-    run = subprocess.run([sys.executable, "-m", "lm.kernels.build"], cwd=tree, capture_output=True, text=True)
-    found = re.search(r"CPU kernels ready: (\S+\.so)", run.stdout + run.stderr)
+def build(tree: Path, isa: str = "native") -> Path:
+    """Build (or find) the kernels of the checkout at `tree` for `isa`; returns the .so's path."""
+    env = dict(os.environ, QWEN35_CPU_ISA=isa)
+    run = subprocess.run([sys.executable, "-m", "lm.kernels.build"], cwd=tree, capture_output=True, text=True, env=env)
+    found = re.search(r"CPU kernels ready[^:]*: (\S+\.so)", run.stdout + run.stderr)
     if run.returncode or not found:
         raise SystemExit(f"the kernels of {tree} did not build:\n{run.stdout}{run.stderr}")
     return Path(found.group(1))
 
 
-def build_revision(rev: str) -> Path:
-    """The kernels of git revision `rev`, built in a temporary worktree (removed afterwards)."""
+def build_revision(rev: str, isa: str = "native") -> Path:
+    """The kernels of git revision `rev` for `isa`, built in a temporary worktree (removed afterwards)."""
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "tree"
         subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), rev], cwd=ROOT, check=True)
         try:
-            return build(tree)
+            return build(tree, isa)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=True)
 
@@ -84,10 +88,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--products", action="store_true", help="the decode products alone (bench.products)")
+    parser.add_argument("--base-isa", default="native", help="instruction set of A's build (native or avx2)")
+    parser.add_argument("--isa", default="native", help="instruction set of B's build (native or avx2)")
     args = parser.parse_args()
 
-    print(f"building the kernels of {args.base} (A) and of the current tree (B) ...", flush=True)
-    a_path, b_path = build_revision(args.base), build(ROOT)
+    print(f"building the kernels of {args.base} for {args.base_isa} (A) and of the current tree for {args.isa} (B) ...",
+          flush=True)
+    a_path, b_path = build_revision(args.base, args.base_isa), build(ROOT, args.isa)
     print(f"A: {a_path}\nB: {b_path}")
     if a_path == b_path:
         raise SystemExit("A and B are the same build (no change to lm/kernels): nothing to compare")

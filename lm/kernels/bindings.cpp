@@ -16,6 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the accumulator width the format kernels were built with (16 floats with AVX-512, 8 with AVX2)
   m.attr("VECTOR_FLOATS") = qwen35::W;
   m.attr("INT8_DOT") = qwen35::INT8_DOT;  // built with the int8-activation dot products (AVX2)
+  m.attr("VNNI") = qwen35::VNNI;  // ... and they use vpdpbusd (AVX512-VNNI or AVX-VNNI)
   m.def("set_int8_activations", [](bool on) { qwen35::int8_activations() = on; },
         "Q8_0 / Q4_0 decode products with activations quantized to Q8_0 (on) or in float32 (off)");
   m.def("grouped_linear", &grouped_linear, "per-expert y = x W[e]^T over rows grouped by expert");

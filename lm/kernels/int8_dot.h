@@ -87,6 +87,22 @@ inline void quantize_x(const float* x, int64_t M, int64_t ldx, int64_t K, Quanti
 #if defined(__AVX2__)
 constexpr bool INT8_DOT = true;
 
+// With VNNI (AVX512-VNNI on 256-bit registers, or AVX-VNNI), one vpdpbusd sums 4 products of an
+// unsigned and a signed byte into each int32 lane, in place of AVX2's vpmaddubsw + vpmaddwd + add
+// (and Q8_0's two vpsignb, which make vpmaddubsw's operand unsigned: with VNNI the weights are
+// biased by 128 instead and 128 sum(x quants) taken off per block). The integer dots are exact
+// either way, so both forms give the same y.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QWEN35_VNNI 1
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+#define QWEN35_VNNI 1
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+#define QWEN35_VNNI 0
+#endif
+constexpr bool VNNI = QWEN35_VNNI;
+
 // Block b of a Q8_0 / Q4_0 group (format T) in a product of R rows: its address, its lines
 // PREFETCH_BYTES ahead prefetched (from PREFETCH_ROWS rows on), and its 8 rows' fp16 scales as
 // floats in *dw.
@@ -107,7 +123,7 @@ inline const uint8_t* group_block(const uint8_t* group, int64_t b, __m256* dw) {
 template <int R>
 inline void dot_group_q8_0(const QuantizedX& x, int64_t r0, const uint8_t* group, float* y, int64_t ldy) {
   const int64_t K = x.K, nb = K / QK;
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -118,6 +134,14 @@ inline void dot_group_q8_0(const QuantizedX& x, int64_t r0, const uint8_t* group
 #pragma GCC unroll 2  // fully unrolled, GCC sums each row's 8 chunks as a tree: with 4 rows, 32 live
     for (int c = 0; c < 8; ++c) {  // registers and spills to the stack (1 row: the same speed either way)
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 16 + c * 32));
+#if QWEN35_VNNI
+      const __m256i biased = _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80)));  // w + 128, unsigned
+      for (int r = 0; r < R; ++r) {
+        int32_t a;
+        std::memcpy(&a, x.q.data() + (r0 + r) * K + b * QK + 4 * c, 4);
+        s[r] = dpbusd(s[r], biased, _mm256_set1_epi32(a));
+      }
+#else
       const __m256i magnitude = _mm256_sign_epi8(q, q);
       for (int r = 0; r < R; ++r) {
         int32_t a;
@@ -125,10 +149,15 @@ inline void dot_group_q8_0(const QuantizedX& x, int64_t r0, const uint8_t* group
         const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_set1_epi32(a), q));
         s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(pairs, ones));
       }
+#endif
     }
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dw, _mm256_set1_ps(x.d[(r0 + r) * nb + b])),
-                               acc[r]);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * nb + b;
+#if QWEN35_VNNI
+      s[r] = _mm256_sub_epi32(s[r], _mm256_set1_epi32(16 * x.sum8[i]));  // less 128 sum(q) of the bias
+#endif
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dw, _mm256_set1_ps(x.d[i])), acc[r]);
+    }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
@@ -140,7 +169,8 @@ inline void dot_group_q8_0(const QuantizedX& x, int64_t r0, const uint8_t* group
 template <int R>
 inline void dot_group_q4_0(const QuantizedX& x, int64_t r0, const uint8_t* group, float* y, int64_t ldy) {
   const int64_t K = x.K, nb = K / QK;
-  const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(15);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i m4 = _mm256_set1_epi8(15);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -157,13 +187,21 @@ inline void dot_group_q4_0(const QuantizedX& x, int64_t r0, const uint8_t* group
         int32_t a, h;
         std::memcpy(&a, xq + 4 * c, 4);
         std::memcpy(&h, xq + 16 + 4 * c, 4);
+#if QWEN35_VNNI
+        s[r] = dpbusd(dpbusd(s[r], lo, _mm256_set1_epi32(a)), hi, _mm256_set1_epi32(h));
+#else
         s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
         s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(h)));
+#endif
       }
     }
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * nb + b;
+#if QWEN35_VNNI
+      const __m256i dot = _mm256_sub_epi32(s[r], _mm256_set1_epi32(x.sum8[i]));  // int32 lanes already
+#else
       const __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(s[r], ones), _mm256_set1_epi32(x.sum8[i]));
+#endif
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(x.d[i])), acc[r]);
     }
   }
@@ -196,6 +234,7 @@ inline void block_i8(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, 
 }
 #else
 constexpr bool INT8_DOT = false;
+constexpr bool VNNI = false;
 inline void block_i8(const QuantizedX&, int64_t, const Rows&, int64_t, int64_t, float*, int64_t) {}
 #endif
 
