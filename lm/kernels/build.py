@@ -78,9 +78,26 @@ def isa() -> str:
     return value
 
 
-def cflags() -> list[str]:
-    """The compiler flags of the build QWEN35_CPU_ISA asks for."""
-    return [*CFLAGS, *ISA_FLAGS[isa()]]
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """The first `vendor_id` of /proc/cpuinfo (e.g. GenuineIntel, AuthenticAMD), or "" when none."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
+def cflags(vendor: str | None = None) -> list[str]:
+    """The compiler flags of the build QWEN35_CPU_ISA asks for, on this CPU (or `vendor`'s): Intel
+    CPUs prefetch one-row products in software, others do not (measured: formats.h, prefetch_ahead)."""
+    vendor = cpu_vendor() if vendor is None else vendor
+    prefetch = ["-DQWEN35_PREFETCH_ROWS=1"] if vendor == "GenuineIntel" else []
+    return [*CFLAGS, *ISA_FLAGS[isa()], *prefetch]
 
 
 def build_flags(flags: Iterable[str]) -> frozenset[str]:

@@ -44,19 +44,23 @@ constexpr int QK = 32;       // weights per block of the block formats
 constexpr int NB = QK / W;   // vectors per block
 
 // Software prefetch of a product's weight stream, `ahead` bytes ahead of p, in products of at least
-// PREFETCH_ROWS rows of x (R, the rows of the kernel). Measured on Zen 4 (2 cores, bench.products):
-// with one row, whose products are memory-bound, the hardware prefetchers alone stream faster
-// (fp32 53-59 vs 36-49 GB/s and bf16 50-53 vs 39-44 in the fast memory state, the same in the slow
-// one); with 4-8 rows, whose products are compute-bound, software prefetch is 10-40% faster.
+// FROM rows of x (R, the rows of the kernel; FROM = PREFETCH_ROWS unless a kernel says otherwise).
+// With 2-8 rows, whose products are compute-bound, software prefetch is 10-40% faster on both CPUs
+// measured. With one row, whose products are memory-bound, it depends on the CPU: on Zen 4 (AMD,
+// 2 cores) the hardware prefetchers alone stream faster (fp32 53-59 vs 36-49 GB/s, bf16 50-53 vs
+// 39-44; whole bench steps without: bf16 1.14x, fp32 1.04x), on Sapphire Rapids (Intel, 2 cores)
+// slower (whole bench steps with: fp32 1.14x, bf16 1.11x, int4 1.04x; its Q4_0 products alone
+// 1.64x). So lm/kernels/build.py builds with -DQWEN35_PREFETCH_ROWS=1 for Intel CPUs, 2 for others.
+// Q8_0 one-row products never prefetch (int8 steps 0.94x with on Intel, the same on Zen 4).
 #ifndef QWEN35_PREFETCH_ROWS
 #define QWEN35_PREFETCH_ROWS 2
 #endif
 constexpr int PREFETCH_ROWS = QWEN35_PREFETCH_ROWS;
 constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead the format kernels prefetch a weight row
 
-template <int R>
+template <int R, int FROM = PREFETCH_ROWS>
 inline void prefetch_ahead(const void* p, int64_t ahead) {
-  if constexpr (R >= PREFETCH_ROWS) __builtin_prefetch(static_cast<const char*>(p) + ahead, 0, 3);
+  if constexpr (R >= FROM) __builtin_prefetch(static_cast<const char*>(p) + ahead, 0, 3);
 }
 
 enum Fmt : int { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3 };

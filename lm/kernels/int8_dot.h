@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "formats.h"
@@ -110,7 +111,8 @@ template <class T, int R>
 inline const uint8_t* group_block(const uint8_t* group, int64_t b, __m256* dw) {
   constexpr int64_t GB = group_block_bytes<T>();
   const uint8_t* o = group + b * GB;
-  for (int64_t line = 0; line < GB; line += 64) prefetch_ahead<R>(o + line, PREFETCH_BYTES);
+  constexpr int from = std::is_same_v<T, TraitsQ8_0> ? 2 : PREFETCH_ROWS;  // see prefetch_ahead
+  for (int64_t line = 0; line < GB; line += 64) prefetch_ahead<R, from>(o + line, PREFETCH_BYTES);
   *dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
   return o;
 }
