@@ -53,11 +53,8 @@ BASE_NAME = "qwen35_cpu_kernels"
 BUILD_SECONDS_ON_2_CORES = 265
 
 
-def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
-    """The CPU's feature flags: the first `flags` (x86) or `Features` (Arm) line of /proc/cpuinfo.
-
-    Empty when there is no such line (not Linux); the cache is then keyed by `platform.processor()`.
-    """
+def cpuinfo_field(keys: tuple[str, ...], cpuinfo: str | None = None) -> str | None:
+    """The value of the first line of /proc/cpuinfo (or of `cpuinfo`) whose key is in `keys`, or None."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
@@ -65,9 +62,17 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
             cpuinfo = ""
     for line in cpuinfo.splitlines():
         key, sep, value = line.partition(":")
-        if sep and key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+        if sep and key.strip() in keys:
+            return value.strip()
+    return None
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The CPU's feature flags: the first `flags` (x86) or `Features` (Arm) line of /proc/cpuinfo.
+
+    Empty when there is no such line (not Linux); the cache is then keyed by `platform.processor()`.
+    """
+    return frozenset((cpuinfo_field(("flags", "Features"), cpuinfo) or "").split())
 
 
 def isa() -> str:
@@ -80,16 +85,7 @@ def isa() -> str:
 
 def cpu_vendor(cpuinfo: str | None = None) -> str:
     """The first `vendor_id` of /proc/cpuinfo (e.g. GenuineIntel, AuthenticAMD), or "" when none."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
-        except OSError:
-            cpuinfo = ""
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() == "vendor_id":
-            return value.strip()
-    return ""
+    return cpuinfo_field(("vendor_id",), cpuinfo) or ""
 
 
 def cflags(vendor: str | None = None) -> list[str]:
