@@ -78,6 +78,17 @@ def test_the_loaded_kernels_are_this_cpus_build():
 
 
 @pytest.mark.skipif(lm.kernels.mode() == "0", reason="QWEN35_CPU_KERNELS=0: no kernels")
+def test_the_build_uses_the_int8_dot_products_this_cpu_has():
+    from lm.kernels import build
+
+    module = lm.kernels._kernels()
+    flags = build.build_flags(cpu_flags())
+    assert module.INT8_DOT == ("avx2" in flags)
+    assert module.VNNI == ("avx2" in flags and bool({"avx512_vnni", "avx_vnni"} & flags))  # vpdpbusd where it is
+    assert module.VECTOR_FLOATS == (16 if "avx512f" in flags else 8)
+
+
+@pytest.mark.skipif(lm.kernels.mode() == "0", reason="QWEN35_CPU_KERNELS=0: no kernels")
 def test_build_command_reports_the_build():
     lm.kernels._kernels()  # built (once) in this process, so the command only loads it
     result = subprocess.run([sys.executable, "-m", "lm.kernels.build"], cwd=REPO, capture_output=True, text=True,
