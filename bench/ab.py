@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from lm import kernels
-from lm.kernels.build import _import
+from lm.kernels.build import ISA_FLAGS, _import
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,8 +88,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--products", action="store_true", help="the decode products alone (bench.products)")
-    parser.add_argument("--base-isa", default="native", help="instruction set of A's build (native or avx2)")
-    parser.add_argument("--isa", default="native", help="instruction set of B's build (native or avx2)")
+    parser.add_argument("--base-isa", default="native", choices=ISA_FLAGS, help="instruction set of A's build")
+    parser.add_argument("--isa", default="native", choices=ISA_FLAGS, help="instruction set of B's build")
     args = parser.parse_args()
 
     print(f"building the kernels of {args.base} for {args.base_isa} (A) and of the current tree for {args.isa} (B) ...",

@@ -49,9 +49,9 @@ constexpr int NB = QK / W;   // vectors per block
 // measured. With one row, whose products are memory-bound, it depends on the CPU: on Zen 4 (AMD,
 // 2 cores) the hardware prefetchers alone stream faster (fp32 53-59 vs 36-49 GB/s, bf16 50-53 vs
 // 39-44; whole bench steps without: bf16 1.14x, fp32 1.04x), on Sapphire Rapids (Intel, 2 cores)
-// slower (whole bench steps with: fp32 1.14x, bf16 1.11x, int4 1.04x; its Q4_0 products alone
-// 1.64x). So lm/kernels/build.py builds with -DQWEN35_PREFETCH_ROWS=1 for Intel CPUs, 2 for others.
-// Q8_0 one-row products never prefetch (int8 steps 0.94x with on Intel, the same on Zen 4).
+// slower (whole bench steps with this rule: fp32 1.17x, bf16 1.09x, int4 1.01x; its Q4_0 products
+// alone 1.64x). So lm/kernels/build.py builds with -DQWEN35_PREFETCH_ROWS=1 for Intel CPUs, 2 for
+// others. Q8_0 one-row products never prefetch (int8 steps 0.94x with it on Intel, the same on Zen 4).
 #ifndef QWEN35_PREFETCH_ROWS
 #define QWEN35_PREFETCH_ROWS 2
 #endif

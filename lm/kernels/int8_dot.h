@@ -138,20 +138,20 @@ inline void dot_group_q8_0(const QuantizedX& x, int64_t r0, const uint8_t* group
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 16 + c * 32));
 #if QWEN35_VNNI
       const __m256i biased = _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80)));  // w + 128, unsigned
-      for (int r = 0; r < R; ++r) {
-        int32_t a;
-        std::memcpy(&a, x.q.data() + (r0 + r) * K + b * QK + 4 * c, 4);
-        s[r] = dpbusd(s[r], biased, _mm256_set1_epi32(a));
-      }
 #else
       const __m256i magnitude = _mm256_sign_epi8(q, q);
+#endif
       for (int r = 0; r < R; ++r) {
         int32_t a;
         std::memcpy(&a, x.q.data() + (r0 + r) * K + b * QK + 4 * c, 4);
-        const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_set1_epi32(a), q));
+        const __m256i xa = _mm256_set1_epi32(a);
+#if QWEN35_VNNI
+        s[r] = dpbusd(s[r], biased, xa);
+#else
+        const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xa, q));
         s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(pairs, ones));
-      }
 #endif
+      }
     }
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * nb + b;
