@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lm.kernels
-from lm.kernels.build import build_directory, cached_library, cpu_flags, extension_name, isa_tag
+from lm.kernels.build import build_directory, cached_library, cpu_flags, extension_name, isa, isa_tag
 
 REPO = Path(__file__).resolve().parents[2]
 CPUINFO = """processor\t: 0
@@ -33,7 +33,8 @@ def test_cpu_flags_are_read_from_cpuinfo():
     assert cpu_flags()  # this machine (Linux) has a flags line
 
 
-def test_the_extension_name_differs_by_instruction_set():
+def test_the_extension_name_differs_by_instruction_set(monkeypatch):
+    monkeypatch.delenv("QWEN35_CPU_ISA", raising=False)  # native builds (QWEN35_CPU_ISA=avx2 names them alike)
     avx2, avx512 = extension_name(AVX2), extension_name(AVX2 | {"avx512f"})
     assert avx2 != avx512 and "_avx2_" in avx2 and "_avx512_" in avx512
     assert extension_name(sorted(AVX2, reverse=True)) == avx2  # the order of the flags does not matter
@@ -46,6 +47,7 @@ def test_the_extension_name_differs_by_instruction_set():
 def test_the_avx2_build_of_an_avx512_cpu_has_its_own_name_and_flags(monkeypatch):
     from lm.kernels import build
 
+    monkeypatch.delenv("QWEN35_CPU_ISA", raising=False)
     avx512 = AVX2 | {"avx512f", "avx512bw", "avx_vnni"}
     native = extension_name(avx512)
     assert build.cflags("AuthenticAMD") == build.CFLAGS
@@ -62,6 +64,7 @@ def test_the_avx2_build_of_an_avx512_cpu_has_its_own_name_and_flags(monkeypatch)
 
 
 def test_a_build_for_another_instruction_set_is_not_loaded(tmp_path, monkeypatch):
+    monkeypatch.delenv("QWEN35_CPU_ISA", raising=False)  # native builds (QWEN35_CPU_ISA=avx2 names them alike)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     other = extension_name(set(cpu_flags()) ^ {"avx512f"})  # this CPU with AVX-512 toggled
     (tmp_path / other).mkdir()
@@ -94,7 +97,8 @@ def test_build_command_reports_the_build():
     result = subprocess.run([sys.executable, "-m", "lm.kernels.build"], cwd=REPO, capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert f"CPU kernels ready: {cached_library(extension_name())}" in result.stderr
+    built_for = "" if isa() == "native" else f" (QWEN35_CPU_ISA={isa()})"
+    assert f"CPU kernels ready{built_for}: {cached_library(extension_name())}" in result.stderr
     off = subprocess.run([sys.executable, "-m", "lm.kernels.build"], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(REPO), "QWEN35_CPU_KERNELS": "0"}, timeout=120)
     assert off.returncode == 0 and "nothing to build" in off.stderr
