@@ -50,8 +50,9 @@ constexpr int NB = QK / W;   // vectors per block
 // 2 cores) the hardware prefetchers alone stream faster (fp32 53-59 vs 36-49 GB/s, bf16 50-53 vs
 // 39-44; whole bench steps without: bf16 1.14x, fp32 1.04x), on Sapphire Rapids (Intel, 2 cores)
 // slower (whole bench steps with this rule: fp32 1.17x, bf16 1.09x, int4 1.01x; its Q4_0 products
-// alone 1.64x). So lm/kernels/build.py builds with -DQWEN35_PREFETCH_ROWS=1 for Intel CPUs, 2 for
-// others. Q8_0 one-row products never prefetch (int8 steps 0.94x with it on Intel, the same on Zen 4).
+// alone 1.64x, in a test whose weights partly sat in the L3). So lm/kernels/build.py builds with
+// -DQWEN35_PREFETCH_ROWS=1 for Intel CPUs, 2 for others; how far and where to depends on the format
+// (prefetch_block).
 #ifndef QWEN35_PREFETCH_ROWS
 #define QWEN35_PREFETCH_ROWS 2
 #endif
@@ -61,6 +62,25 @@ constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead the format kernels pr
 template <int R, int FROM = PREFETCH_ROWS>
 inline void prefetch_ahead(const void* p, int64_t ahead) {
   if constexpr (R >= FROM) __builtin_prefetch(static_cast<const char*>(p) + ahead, 0, 3);
+}
+
+// The compact formats' blocks (bf16, Q8_0, Q4_0): with 2-8 rows as prefetch_ahead, PREFETCH_BYTES
+// ahead into L1; with one row (Intel builds: PREFETCH_ROWS = 1) only PREFETCH_ONE_ROW_BYTES ahead and
+// into L2 (prefetcht1), Q8_0 included. On Sapphire Rapids (2 cores), products of DRAM-cold weights
+// (the L3 flushed before each pass, builds in turns in one process) with 4 KiB into L1 streamed Q4_0
+// at 16-20 GB/s against a 30 GB/s probe; no prefetch 14-23 (slower for small matrices, faster for
+// large), 2 KiB into L2 17-27: Q4_0 1.08-1.43x, bf16 1.03-1.24x, Q8_0 (no prefetch before)
+// 1.06-1.10x. Whole batch-1 steps (bench.ab): bench checkpoint bf16 1.12x, int8 1.08x, int4 1.12x;
+// dense 1.12x, 1.10x, 1.12x. The float32 kernels keep their own distance (PREFETCH_F32_BYTES).
+constexpr int64_t PREFETCH_ONE_ROW_BYTES = 2048;
+
+template <int R, int FROM = PREFETCH_ROWS>
+inline void prefetch_block(const void* p) {
+  if constexpr (R == 1) {
+    if constexpr (R >= FROM) __builtin_prefetch(static_cast<const char*>(p) + PREFETCH_ONE_ROW_BYTES, 0, 2);
+  } else {
+    prefetch_ahead<R, FROM>(p, PREFETCH_BYTES);
+  }
 }
 
 enum Fmt : int { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3 };

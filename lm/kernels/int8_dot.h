@@ -104,15 +104,13 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_
 #endif
 constexpr bool VNNI = QWEN35_VNNI;
 
-// Block b of a Q8_0 / Q4_0 group (format T) in a product of R rows: its address, its lines
-// PREFETCH_BYTES ahead prefetched (from PREFETCH_ROWS rows on), and its 8 rows' fp16 scales as
-// floats in *dw.
+// Block b of a Q8_0 / Q4_0 group (format T) in a product of R rows: its address, the lines ahead of
+// it prefetched (prefetch_block), and its 8 rows' fp16 scales as floats in *dw.
 template <class T, int R>
 inline const uint8_t* group_block(const uint8_t* group, int64_t b, __m256* dw) {
   constexpr int64_t GB = group_block_bytes<T>();
   const uint8_t* o = group + b * GB;
-  constexpr int from = std::is_same_v<T, TraitsQ8_0> ? 2 : PREFETCH_ROWS;  // see prefetch_ahead
-  for (int64_t line = 0; line < GB; line += 64) prefetch_ahead<R, from>(o + line, PREFETCH_BYTES);
+  for (int64_t line = 0; line < GB; line += 64) prefetch_block<R>(o + line);
   *dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
   return o;
 }
