@@ -64,25 +64,6 @@ inline void prefetch_ahead(const void* p, int64_t ahead) {
   if constexpr (R >= FROM) __builtin_prefetch(static_cast<const char*>(p) + ahead, 0, 3);
 }
 
-// The compact formats' blocks (bf16, Q8_0, Q4_0): with 2-8 rows as prefetch_ahead, PREFETCH_BYTES
-// ahead into L1; with one row (Intel builds: PREFETCH_ROWS = 1) only PREFETCH_ONE_ROW_BYTES ahead and
-// into L2 (prefetcht1), Q8_0 included. On Sapphire Rapids (2 cores), products of DRAM-cold weights
-// (the L3 flushed before each pass, builds in turns in one process) with 4 KiB into L1 streamed Q4_0
-// at 16-20 GB/s against a 30 GB/s probe; no prefetch 14-23 (slower for small matrices, faster for
-// large), 2 KiB into L2 17-27: Q4_0 1.08-1.43x, bf16 1.03-1.24x, Q8_0 (no prefetch before)
-// 1.06-1.10x. Whole batch-1 steps (bench.ab): bench checkpoint bf16 1.12x, int8 1.08x, int4 1.12x;
-// dense 1.12x, 1.10x, 1.12x. The float32 kernels keep their own distance (PREFETCH_F32_BYTES).
-constexpr int64_t PREFETCH_ONE_ROW_BYTES = 2048;
-
-template <int R, int FROM = PREFETCH_ROWS>
-inline void prefetch_block(const void* p) {
-  if constexpr (R == 1) {
-    if constexpr (R >= FROM) __builtin_prefetch(static_cast<const char*>(p) + PREFETCH_ONE_ROW_BYTES, 0, 2);
-  } else {
-    prefetch_ahead<R, FROM>(p, PREFETCH_BYTES);
-  }
-}
-
 enum Fmt : int { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3 };
 
 inline float half_to_float(const uint8_t* p) {
@@ -146,6 +127,7 @@ struct TraitsF32 {
 
 struct TraitsBF16 {
   static constexpr int64_t block_bytes = QK * 2;
+  static constexpr int streamed_rows = 1;  // products of up to this many rows are memory-bound (prefetch_block)
   static inline void load(const uint8_t* row, int64_t b, wvec* w) {
     const uint8_t* p = row + b * block_bytes;
     for (int j = 0; j < NB; ++j) w[j] = cvt_bf16(p + j * W * 2);
@@ -162,6 +144,7 @@ struct TraitsBF16 {
 
 struct TraitsQ8_0 {
   static constexpr int64_t block_bytes = 2 + QK;
+  static constexpr int streamed_rows = 8;
   static inline void load(const uint8_t* row, int64_t b, wvec* w) {
     const uint8_t* p = row + b * block_bytes;
     const float d = half_to_float(p);
@@ -171,6 +154,7 @@ struct TraitsQ8_0 {
 
 struct TraitsQ4_0 {
   static constexpr int64_t block_bytes = 2 + QK / 2;
+  static constexpr int streamed_rows = 2;
   static inline void load(const uint8_t* row, int64_t b, wvec* w) {
     const uint8_t* p = row + b * block_bytes;
     const float d = half_to_float(p);
@@ -197,6 +181,28 @@ struct TraitsQ4_0 {
 #endif
   }
 };
+
+// Prefetch for the compact formats' blocks (bf16, Q8_0, Q4_0) in products of R rows. On Intel
+// (PREFETCH_ROWS = 1), products that are memory-bound (R <= T::streamed_rows) prefetch only
+// PREFETCH_L2_BYTES ahead and into L2 (prefetcht1); the others, and every product of 2+ rows
+// elsewhere, as prefetch_ahead (PREFETCH_BYTES into L1); one-row products elsewhere not at all.
+// Measured on Sapphire Rapids (2 cores) on DRAM-cold weights (the L3 flushed before each pass, builds
+// in turns in one process): 4 KiB into L1 streamed one-row Q4_0 products at 16-20 GB/s against a
+// 30 GB/s probe, no prefetch 14-23 (slower for small matrices, faster for large), 2 KiB into L2
+// 17-27. Against 4 KiB into L1 (Q8_0 one-row: none): one row Q4_0 1.08-1.43x, bf16 1.03-1.24x, Q8_0
+// 1.06-1.10x; 2 rows Q4_0 1.24-1.26x, Q8_0 1.33-1.35x, bf16 0.97-1.03x; 4 rows Q8_0 1.26-1.29x,
+// Q4_0 0.95-1.05x; 8 rows Q8_0 1.01-1.06x, Q4_0 0.92-0.96x. Whole batch-1 steps (bench.ab), bench
+// checkpoint bf16 1.12x, int8 1.08x, int4 1.12x; dense 1.12x, 1.10x, 1.12x. The float32 kernels keep
+// their own distance (PREFETCH_F32_BYTES, vec.h).
+constexpr int64_t PREFETCH_L2_BYTES = 2048;
+
+template <class T, int R>
+inline void prefetch_block(const void* p) {
+  if constexpr (PREFETCH_ROWS == 1 && R <= T::streamed_rows)
+    __builtin_prefetch(static_cast<const char*>(p) + PREFETCH_L2_BYTES, 0, 2);
+  else
+    prefetch_ahead<R>(p, PREFETCH_BYTES);
+}
 
 // Q8_0 and Q4_0 rows are stored in groups of RG = 8 (lm/formats/blocks.py): block b of a group is
 // the 8 rows' fp16 scales, then chunks of 32 bytes (Q8_0: 8, Q4_0: 4), chunk c holding quant bytes

@@ -110,7 +110,7 @@ template <class T, int R>
 inline const uint8_t* group_block(const uint8_t* group, int64_t b, __m256* dw) {
   constexpr int64_t GB = group_block_bytes<T>();
   const uint8_t* o = group + b * GB;
-  for (int64_t line = 0; line < GB; line += 64) prefetch_block<R>(o + line);
+  for (int64_t line = 0; line < GB; line += 64) prefetch_block<T, R>(o + line);
   *dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
   return o;
 }

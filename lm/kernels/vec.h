@@ -144,7 +144,7 @@ inline void dot_row_fmt(const float* x, int64_t ldx, const uint8_t* w, int64_t k
     for (int c = 0; c < C; ++c) a[r][c] = wvec{};
   const int64_t b1 = k1 / QK;
   for (int64_t b = k0 / QK; b < b1; ++b) {
-    prefetch_block<R>(w + b * T::block_bytes);
+    prefetch_block<T, R>(w + b * T::block_bytes);
     wvec wv[NB];
     T::load(w, b, wv);
     for (int j = 0; j < NB; ++j)
