@@ -5,6 +5,9 @@ at each page boundary and the TLB misses often; 2 MiB pages keep the stream goin
 THP mode is "madvise": only memory marked with MADV_HUGEPAGE gets huge pages. This marks the
 storage of the given tensors; it must run before their pages are first written. A no-op on other
 systems or when the kernel refuses.
+
+Tensors smaller than two huge pages cannot have whole ones of their own; `gather_into_huge_pages`
+gives the mid-size ones (the 1-4 MiB projections of a compact-format model) one shared buffer.
 """
 
 from __future__ import annotations
@@ -36,3 +39,28 @@ def advise_huge_pages(tensors) -> int:
         if last > first and madvise(first, last - first, MADV_HUGEPAGE) == 0:
             marked += last - first
     return marked
+
+
+def gather_into_huge_pages(params, low: int = 64 << 10) -> int:
+    """Move the unfilled CPU parameters of `low` bytes up to two huge pages into one buffer marked
+    for huge pages (each at a 4 KiB boundary), so that they stream from huge pages too; returns
+    the bytes moved. Must run before the parameters' first write (their old storage is dropped
+    unread). Measured on a 2-core Sapphire Rapids, batch-1 decode, the 1-4 MiB projections of a
+    compact-format model in huge pages (in turns with the same model without): int4 1.04x (bench
+    checkpoint, 83 MiB moved) and 1.07x (Qwen3.5-0.8B's config, 271 MiB), bf16 1.02x."""
+    page = 4096
+    chosen = [p for p in params
+              if p.device.type == "cpu" and low <= p.numel() * p.element_size() < 2 * HUGE_PAGE]
+    sizes = [(p.numel() * p.element_size() + page - 1) // page * page for p in chosen]
+    if not chosen or not sys.platform.startswith("linux"):
+        return 0
+    import torch
+
+    buffer = torch.empty(sum(sizes) + HUGE_PAGE, dtype=torch.uint8)
+    offset = (-buffer.data_ptr()) % HUGE_PAGE  # the first tensor at a huge-page boundary
+    advise_huge_pages([buffer[offset:]])
+    for p, size in zip(chosen, sizes):
+        n = p.numel() * p.element_size()
+        p.data = buffer[offset : offset + n].view(p.dtype).view(p.shape)
+        offset += size
+    return sum(p.numel() * p.element_size() for p in chosen)

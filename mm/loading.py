@@ -9,7 +9,7 @@ import torch
 
 from lm import CheckpointReader, WeightError, load_lm_weights
 from lm.formats import policy
-from lm.hugepages import advise_huge_pages
+from lm.hugepages import advise_huge_pages, gather_into_huge_pages
 from lm.malloc import release_large_buffers
 from lm.weights import heads_tied, lm_param_name, use_formats
 from vision import load_vision_weights
@@ -84,6 +84,7 @@ def allocate(model: VLModel, formats: dict, device: str | torch.device,
     model = model.to_empty(device=device)
     advise_huge_pages(model.parameters())  # before the first write: decode streams these pages
     if torch.device(device).type == "cpu":
+        gather_into_huge_pages(model.lm.parameters())  # the smaller ones, into one buffer of them
         release_large_buffers(sum(p.numel() * p.element_size() for p in model.parameters()))
     model.lm.init_buffers()
     if tied:

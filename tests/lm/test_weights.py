@@ -151,3 +151,37 @@ def test_huge_page_advice_marks_whole_pages_inside_large_tensors():
     start, end = big.data_ptr(), big.data_ptr() + big.numel() * 4
     whole_pages = end // HUGE_PAGE - (start + HUGE_PAGE - 1) // HUGE_PAGE
     assert marked == whole_pages * HUGE_PAGE  # only the big tensor, only whole pages inside it
+
+
+def test_mid_size_parameters_are_gathered_into_one_huge_page_buffer():
+    from lm.hugepages import HUGE_PAGE, gather_into_huge_pages
+
+    tiny, mid, mid2, big = (torch.nn.Parameter(torch.empty(n)) for n in (100, 300_000, 70_000, 2 * HUGE_PAGE // 4))
+    storages = {p: p.untyped_storage().data_ptr() for p in (tiny, big)}
+    moved = gather_into_huge_pages([tiny, mid, mid2, big])
+    assert moved == (300_000 + 70_000) * 4
+    assert mid.untyped_storage().data_ptr() == mid2.untyped_storage().data_ptr()  # one buffer
+    assert mid.data_ptr() % HUGE_PAGE == 0 and mid2.data_ptr() % 4096 == 0
+    assert mid2.data_ptr() >= mid.data_ptr() + 300_000 * 4  # no overlap
+    assert all(p.untyped_storage().data_ptr() == ptr for p, ptr in storages.items())  # the rest stay
+    assert mid.shape == (300_000,) and mid.dtype == torch.float32
+    mid.data.fill_(1.0), mid2.data.fill_(2.0)
+    assert float(mid.data.sum()) == 300_000 and float(mid2.data.sum()) == 140_000
+
+
+def test_a_loaded_model_gathers_its_mid_size_weights_and_computes_the_same(checkpoints, monkeypatch):
+    """load_model moves the mid-size LM weights into the shared buffer before filling them (the tiny
+    model's weights are all small: the threshold is lowered to 1 KiB here), and the logits stay."""
+    import mm.loading
+    from lm.hugepages import gather_into_huge_pages
+
+    _, ckpt = checkpoints("moe_text")
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        reference = mm.load_model(ckpt, weights="int8").lm(ids)
+        monkeypatch.setattr(mm.loading, "gather_into_huge_pages", lambda ps: gather_into_huge_pages(ps, low=1024))
+        model = mm.load_model(ckpt, weights="int8")
+        mid = [p for p in model.lm.parameters() if 1024 <= p.numel() * p.element_size() < 4 << 20]
+        assert len(mid) > 4 and len({p.untyped_storage().data_ptr() for p in mid}) == 1
+        out = model.lm(ids)
+        assert (out - reference).abs().max() <= 1e-5 * reference.abs().max()  # alignment may change float32 GEMM rounding
