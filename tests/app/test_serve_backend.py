@@ -62,6 +62,9 @@ def test_full_engine_timeout_and_cancel(pipeline):
             await anext(backend.start(_job(pipeline, "Me too?", 2)).events())
         assert 0.4 < time.monotonic() - start < 5
         backend.queue_timeout = 60
+        deadline = time.monotonic() + 30  # the timed-out request leaves the engine's queue first: counted
+        while backend.pipeline.engine.stats()["waiting"] and time.monotonic() < deadline:  # as waiting, it let
+            await asyncio.sleep(0.01)  # the loop below start job i + 1 before job i was in (1 run in ~6)
         queued = []
         for i in range(3):  # one after another into the engine's queue
             queued.append(backend.start(_job(pipeline, f"Number {i}", 2)))
