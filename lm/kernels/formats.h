@@ -44,7 +44,7 @@ constexpr int QK = 32;       // weights per block of the block formats
 constexpr int NB = QK / W;   // vectors per block
 
 // Software prefetch of a product's weight stream, `ahead` bytes ahead of p, in products of at least
-// FROM rows of x (R, the rows of the kernel; FROM = PREFETCH_ROWS unless a kernel says otherwise).
+// PREFETCH_ROWS rows of x (R, the rows of the kernel).
 // With 2-8 rows, whose products are compute-bound, software prefetch is 10-40% faster on both CPUs
 // measured. With one row, whose products are memory-bound, it depends on the CPU: on Zen 4 (AMD,
 // 2 cores) the hardware prefetchers alone stream faster (fp32 53-59 vs 36-49 GB/s, bf16 50-53 vs
@@ -59,9 +59,9 @@ constexpr int NB = QK / W;   // vectors per block
 constexpr int PREFETCH_ROWS = QWEN35_PREFETCH_ROWS;
 constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead the format kernels prefetch a weight row
 
-template <int R, int FROM = PREFETCH_ROWS>
+template <int R>
 inline void prefetch_ahead(const void* p, int64_t ahead) {
-  if constexpr (R >= FROM) __builtin_prefetch(static_cast<const char*>(p) + ahead, 0, 3);
+  if constexpr (R >= PREFETCH_ROWS) __builtin_prefetch(static_cast<const char*>(p) + ahead, 0, 3);
 }
 
 enum Fmt : int { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3 };
