@@ -88,11 +88,20 @@ def cpu_vendor(cpuinfo: str | None = None) -> str:
     return cpuinfo_field(("vendor_id",), cpuinfo) or ""
 
 
-def cflags(vendor: str | None = None) -> list[str]:
+def cpu_family(cpuinfo: str | None = None) -> int:
+    """The first `cpu family` of /proc/cpuinfo (AMD Zen 4: 25, Zen 5: 26), or 0 when none."""
+    value = cpuinfo_field(("cpu family",), cpuinfo) or ""
+    return int(value) if value.isdigit() else 0
+
+
+def cflags(vendor: str | None = None, family: int | None = None) -> list[str]:
     """The compiler flags of the build QWEN35_CPU_ISA asks for, on this CPU (or `vendor`'s): Intel
     CPUs prefetch one-row products in software, others do not (measured: formats.h, prefetch_ahead)."""
     vendor = cpu_vendor() if vendor is None else vendor
+    family = cpu_family() if family is None else family
     prefetch = ["-DQWEN35_PREFETCH_ROWS=1"] if vendor == "GenuineIntel" else []
+    if vendor == "AuthenticAMD" and family >= 0x1A:  # Zen 5 on: the compact formats' L2 prefetch only
+        prefetch.append("-DQWEN35_PREFETCH_L2=2")
     return [*CFLAGS, *ISA_FLAGS[isa()], *prefetch]
 
 

@@ -194,11 +194,21 @@ struct TraitsQ4_0 {
 // Q4_0 0.95-1.05x; 8 rows Q8_0 1.01-1.06x, Q4_0 0.92-0.96x. Whole batch-1 steps (bench.ab), bench
 // checkpoint bf16 1.12x, int8 1.08x, int4 1.12x; dense 1.12x, 1.10x, 1.12x. The float32 kernels keep
 // their own distance (PREFETCH_F32_BYTES, vec.h).
+//
+// AMD: Zen 4 (the AVX2 build, a session before this rule) was not measured with it; on Zen 5 (2 cores,
+// AVX-512 build, -DQWEN35_PREFETCH_L2=2 from lm/kernels/build.py for AMD family 0x1A and later: the rule for
+// products of up to 2 rows; at 8 rows Q8_0 ran 0.92x) the rule alone, one-row float32 products still
+// not prefetched, whole batch-1 steps (bench.ab, noisy): bench bf16 1.00-1.07x, int8 1.06-1.08x,
+// int4 1.00-1.07x; dense bf16 1.12-1.19x, int8 1.11x, int4 1.01-1.08x.
+#ifndef QWEN35_PREFETCH_L2
+#define QWEN35_PREFETCH_L2 (QWEN35_PREFETCH_ROWS == 1 ? 8 : 0)
+#endif
+constexpr int PREFETCH_L2_ROWS = QWEN35_PREFETCH_L2;  // the rule's products have at most this many rows
 constexpr int64_t PREFETCH_L2_BYTES = 2048;
 
 template <class T, int R>
 inline void prefetch_block(const void* p) {
-  if constexpr (PREFETCH_ROWS == 1 && R <= T::streamed_rows)
+  if constexpr (R <= PREFETCH_L2_ROWS && R <= T::streamed_rows)
     __builtin_prefetch(static_cast<const char*>(p) + PREFETCH_L2_BYTES, 0, 2);
   else
     prefetch_ahead<R>(p, PREFETCH_BYTES);
