@@ -95,8 +95,10 @@ def cpu_family(cpuinfo: str | None = None) -> int:
 
 
 def cflags(vendor: str | None = None, family: int | None = None) -> list[str]:
-    """The compiler flags of the build QWEN35_CPU_ISA asks for, on this CPU (or `vendor`'s): Intel
-    CPUs prefetch one-row products in software, others do not (measured: formats.h, prefetch_ahead)."""
+    """The compiler flags of the build QWEN35_CPU_ISA asks for, on this CPU (or `vendor`'s / `family`'s):
+    Intel CPUs prefetch one-row products in software, others do not; Intel and AMD Zen 5 on (family
+    0x1A+) prefetch the compact formats' memory-bound products into L2 (measured: formats.h,
+    prefetch_ahead and prefetch_block)."""
     vendor = cpu_vendor() if vendor is None else vendor
     family = cpu_family() if family is None else family
     prefetch = ["-DQWEN35_PREFETCH_ROWS=1"] if vendor == "GenuineIntel" else []

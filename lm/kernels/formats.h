@@ -182,10 +182,10 @@ struct TraitsQ4_0 {
   }
 };
 
-// Prefetch for the compact formats' blocks (bf16, Q8_0, Q4_0) in products of R rows. On Intel
-// (PREFETCH_ROWS = 1), products that are memory-bound (R <= T::streamed_rows) prefetch only
-// PREFETCH_L2_BYTES ahead and into L2 (prefetcht1); the others, and every product of 2+ rows
-// elsewhere, as prefetch_ahead (PREFETCH_BYTES into L1); one-row products elsewhere not at all.
+// Prefetch for the compact formats' blocks (bf16, Q8_0, Q4_0) in products of R rows. Products that
+// are memory-bound (R <= T::streamed_rows) and have at most PREFETCH_L2_ROWS rows (Intel: 8, i.e. all;
+// AMD Zen 5 on: 2; elsewhere 0) prefetch only PREFETCH_L2_BYTES ahead and into L2 (prefetcht1); the
+// others as prefetch_ahead (PREFETCH_BYTES into L1 from PREFETCH_ROWS rows on, else not at all).
 // Measured on Sapphire Rapids (2 cores) on DRAM-cold weights (the L3 flushed before each pass, builds
 // in turns in one process): 4 KiB into L1 streamed one-row Q4_0 products at 16-20 GB/s against a
 // 30 GB/s probe, no prefetch 14-23 (slower for small matrices, faster for large), 2 KiB into L2
@@ -195,13 +195,13 @@ struct TraitsQ4_0 {
 // checkpoint bf16 1.12x, int8 1.08x, int4 1.12x; dense 1.12x, 1.10x, 1.12x. The float32 kernels keep
 // their own distance (PREFETCH_F32_BYTES, vec.h).
 //
-// AMD: Zen 4 (the AVX2 build, a session before this rule) was not measured with it; on Zen 5 (2 cores,
-// AVX-512 build, -DQWEN35_PREFETCH_L2=2 from lm/kernels/build.py for AMD family 0x1A and later: the rule for
-// products of up to 2 rows; at 8 rows Q8_0 ran 0.92x) the rule alone, one-row float32 products still
-// not prefetched, whole batch-1 steps (bench.ab, noisy): bench bf16 1.00-1.07x, int8 1.06-1.08x,
-// int4 1.00-1.07x; dense bf16 1.12-1.19x, int8 1.11x, int4 1.01-1.08x.
+// AMD Zen 5 (2 cores, AVX-512 build; lm/kernels/build.py passes -DQWEN35_PREFETCH_L2=2 for AMD family
+// 0x1A and later), against no rule (one-row float32 products stay unprefetched there), whole batch-1
+// steps (bench.ab, noisy): bench bf16 1.00-1.07x, int8 1.06-1.08x, int4 1.00-1.07x; dense bf16
+// 1.12-1.19x, int8 1.11x, int4 1.01-1.08x. With the rule up to 8 rows, batch-8 int8 steps ran 0.92x,
+// hence 2. Zen 4 (measured a session before this rule, AVX2 build) keeps no rule.
 #ifndef QWEN35_PREFETCH_L2
-#define QWEN35_PREFETCH_L2 (QWEN35_PREFETCH_ROWS == 1 ? 8 : 0)
+#define QWEN35_PREFETCH_L2 (QWEN35_PREFETCH_ROWS == 1 ? 8 : 0)  // Intel: every product size (8 rows at most)
 #endif
 constexpr int PREFETCH_L2_ROWS = QWEN35_PREFETCH_L2;  // the rule's products have at most this many rows
 constexpr int64_t PREFETCH_L2_BYTES = 2048;
