@@ -128,6 +128,11 @@ struct TraitsF32 {
 struct TraitsBF16 {
   static constexpr int64_t block_bytes = QK * 2;
   static constexpr int streamed_rows = 1;  // products of up to this many rows are memory-bound (prefetch_block)
+  // how far ahead prefetch_block's L2 rule reaches (bytes): on Intel 8 KiB, not the 2 KiB of the
+  // block formats (Sapphire Rapids, whole batch-1 bf16 steps in turns: bench 1.06-1.08x on the AVX-512
+  // and the AVX2 build, dense 1.05x; 4 KiB about as good, 16 KiB no better); elsewhere (AMD Zen 5)
+  // the 2 KiB it was measured with
+  static constexpr int64_t prefetch_l2_bytes = QWEN35_PREFETCH_ROWS == 1 ? 8192 : 2048;
   static inline void load(const uint8_t* row, int64_t b, wvec* w) {
     const uint8_t* p = row + b * block_bytes;
     for (int j = 0; j < NB; ++j) w[j] = cvt_bf16(p + j * W * 2);
@@ -145,6 +150,7 @@ struct TraitsBF16 {
 struct TraitsQ8_0 {
   static constexpr int64_t block_bytes = 2 + QK;
   static constexpr int streamed_rows = 8;
+  static constexpr int64_t prefetch_l2_bytes = 2048;  // 4 KiB and more: slower (one-row products, Intel)
   static inline void load(const uint8_t* row, int64_t b, wvec* w) {
     const uint8_t* p = row + b * block_bytes;
     const float d = half_to_float(p);
@@ -155,6 +161,7 @@ struct TraitsQ8_0 {
 struct TraitsQ4_0 {
   static constexpr int64_t block_bytes = 2 + QK / 2;
   static constexpr int streamed_rows = 2;
+  static constexpr int64_t prefetch_l2_bytes = 2048;  // 4 KiB and more: slower (one-row products, Intel)
   static inline void load(const uint8_t* row, int64_t b, wvec* w) {
     const uint8_t* p = row + b * block_bytes;
     const float d = half_to_float(p);
@@ -184,7 +191,7 @@ struct TraitsQ4_0 {
 
 // Prefetch for the compact formats' blocks (bf16, Q8_0, Q4_0) in products of R rows. Products that
 // are memory-bound (R <= T::streamed_rows) and have at most PREFETCH_L2_ROWS rows (Intel: 8, i.e. all;
-// AMD Zen 5 on: 2; elsewhere 0) prefetch only PREFETCH_L2_BYTES ahead and into L2 (prefetcht1); the
+// AMD Zen 5 on: 2; elsewhere 0) prefetch only T::prefetch_l2_bytes ahead and into L2 (prefetcht1); the
 // others as prefetch_ahead (PREFETCH_BYTES into L1 from PREFETCH_ROWS rows on, else not at all).
 // Measured on Sapphire Rapids (2 cores) on DRAM-cold weights (the L3 flushed before each pass, builds
 // in turns in one process): 4 KiB into L1 streamed one-row Q4_0 products at 16-20 GB/s against a
@@ -204,12 +211,11 @@ struct TraitsQ4_0 {
 #define QWEN35_PREFETCH_L2 (QWEN35_PREFETCH_ROWS == 1 ? 8 : 0)  // Intel: every product size (8 rows at most)
 #endif
 constexpr int PREFETCH_L2_ROWS = QWEN35_PREFETCH_L2;  // the rule's products have at most this many rows
-constexpr int64_t PREFETCH_L2_BYTES = 2048;
 
 template <class T, int R>
 inline void prefetch_block(const void* p) {
   if constexpr (R <= PREFETCH_L2_ROWS && R <= T::streamed_rows)
-    __builtin_prefetch(static_cast<const char*>(p) + PREFETCH_L2_BYTES, 0, 2);
+    __builtin_prefetch(static_cast<const char*>(p) + T::prefetch_l2_bytes, 0, 2);  // T's distance
   else
     prefetch_ahead<R>(p, PREFETCH_BYTES);
 }

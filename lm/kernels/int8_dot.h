@@ -219,23 +219,25 @@ inline void dot_group(Fmt f, const QuantizedX& x, int64_t r0, const uint8_t* gro
     dot_group_q8_0<R>(x, r0, group, y, ldy);
 }
 
-inline void block_i8(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+// (x's rows [x0, x0 + M): a slice of a QuantizedX holding more rows, e.g. all experts' rows.)
+inline void block_i8(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                     int64_t x0 = 0) {
   for (int64_t n = n0; n < n1; n += RG)
     for (int64_t r0 = 0; r0 < M; r0 += 4) {
       const uint8_t* group = W.row(n);
       float* yn = y + r0 * ldy + n;
       switch (std::min<int64_t>(4, M - r0)) {
-        case 1: dot_group<1>(W.fmt, x, r0, group, yn, ldy); break;
-        case 2: dot_group<2>(W.fmt, x, r0, group, yn, ldy); break;
-        case 3: dot_group<3>(W.fmt, x, r0, group, yn, ldy); break;
-        default: dot_group<4>(W.fmt, x, r0, group, yn, ldy); break;
+        case 1: dot_group<1>(W.fmt, x, x0 + r0, group, yn, ldy); break;
+        case 2: dot_group<2>(W.fmt, x, x0 + r0, group, yn, ldy); break;
+        case 3: dot_group<3>(W.fmt, x, x0 + r0, group, yn, ldy); break;
+        default: dot_group<4>(W.fmt, x, x0 + r0, group, yn, ldy); break;
       }
     }
 }
 #else
 constexpr bool INT8_DOT = false;
 constexpr bool VNNI = false;
-inline void block_i8(const QuantizedX&, int64_t, const Rows&, int64_t, int64_t, float*, int64_t) {}
+inline void block_i8(const QuantizedX&, int64_t, const Rows&, int64_t, int64_t, float*, int64_t, int64_t = 0) {}
 #endif
 
 // Whether products with W take the int8-activation path.

@@ -1,15 +1,20 @@
-// A whole sparse-MoE block for a few tokens (decode):
-//   1. router logits and the shared expert's gate logit (one parallel region);
-//   2. (serial) float32 softmax, top-k, renormalisation; rows grouped by expert;
-//   3. the shared expert and every selected expert in one parallel region, as a queue of pieces
-//      taken by the threads in order: first the gate/up pieces of all experts (rows of gate and
-//      up -> columns of act = silu(x Wg^T) * (x Wu^T)), then the down pieces (rows of down: their
-//      output columns, weighted and added into the running thread's output rows). A down piece
-//      waits for its expert's act to be complete, which in queue order has almost always happened.
-//      Every piece reads a contiguous block of weights, and no barrier stops the threads between
-//      gate/up and down; the thread outputs are summed at the end.
+// A whole sparse-MoE block for a few tokens (decode), in one parallel region whose threads take
+// pieces of work from one queue, in order:
+//   1. the router logits (its rows cut into one piece per thread; the first piece also takes the
+//      shared expert's gate logit). The thread that finishes the last router piece does the routing
+//      (float32 softmax, top-k, renormalisation; rows grouped by expert; their int8 quantization)
+//      and publishes it, while the other threads go on with the shared expert;
+//   2. the gate/up pieces, first the shared expert's, then every selected expert's (rows of gate and
+//      up -> columns of act = silu(x Wg^T) * (x Wu^T));
+//   3. the down pieces, shared then selected (rows of down: their output columns, weighted and added
+//      into the running thread's output rows). A down piece waits for its expert's act to be
+//      complete, which in queue order has almost always happened; a piece past the shared expert's
+//      gate/up waits for the routing.
 //   out[n] = sum_k w[n, k] expert_k(x[n]) + sigmoid(x[n] . shared_gate) shared(x[n]).
-// Only the experts some token selected are read (each once, for all of its rows).
+// Every piece reads a contiguous block of weights, and no barrier stops the threads between the
+// router, gate/up and down: the serial routing overlaps the shared expert's weight stream, and a
+// decode step pays one fork/join per MoE block. Only the experts some token selected are read (each
+// once, for all of its rows). The thread outputs are summed at the end.
 
 #include "vec.h"
 
@@ -32,20 +37,16 @@ struct Expert {
   const int64_t* token;
   const float* weight;
   std::atomic<int64_t>* ready;
-  const QuantizedX* xq = nullptr;  // x in Q8_0 blocks, once for all gate/up pieces (int8 path)
-};
-
-struct Piece {
-  int64_t expert, begin, end;  // rows [begin, end) of gate and up, or of down
-  bool down;
+  const QuantizedX* xq = nullptr;  // x in Q8_0 blocks (int8 path): rows [x0, x0 + M) of *xq
+  int64_t x0 = 0;
 };
 
 void gate_up_piece(const Expert& e, int64_t i0, int64_t i1, int64_t H, float* scratch) {
   const int64_t w = i1 - i0;
   float *g = scratch, *u = g + e.M * w;
   if (e.xq) {
-    block_i8(*e.xq, e.M, e.gate.from(i0), 0, w, g, w);
-    block_i8(*e.xq, e.M, e.up.from(i0), 0, w, u, w);
+    block_i8(*e.xq, e.M, e.gate.from(i0), 0, w, g, w, e.x0);
+    block_i8(*e.xq, e.M, e.up.from(i0), 0, w, u, w, e.x0);
   } else {
     block(e.x, e.M, H, e.gate.from(i0), H, 0, w, g, w);
     block(e.x, e.M, H, e.up.from(i0), H, 0, w, u, w);
@@ -66,11 +67,71 @@ void down_piece(const Expert& e, int64_t h0, int64_t h1, int64_t H, float* out, 
   }
 }
 
-// Cut [0, n) into `parts` near-equal ranges, at multiples of 8 rows (whole Q8_0 / Q4_0 groups).
-void cut(std::vector<Piece>& pieces, int64_t expert, int64_t n, int64_t parts, bool down) {
-  auto at = [&](int64_t p) { return p == parts ? n : n * p / parts / RG * RG; };
-  for (int64_t p = 0; p < parts; ++p) pieces.push_back({expert, at(p), at(p + 1), down});  // may be empty: counted
-}
+// Bound p of `parts` near-equal ranges of [0, n), at multiples of 8 rows (whole Q8_0 / Q4_0 groups).
+int64_t cut(int64_t n, int64_t p, int64_t parts) { return p == parts ? n : n * p / parts / RG * RG; }
+
+// The routing of N rows of router logits [N, E] (step 1 above), and the experts it selects, which it
+// writes into experts[1..] (experts[0], the shared one, is set up before): returns their count.
+struct Routing {
+  const float* logits;
+  int64_t N, E, top_k, H, I;
+  const float* x;
+  Rows gate_up, down;
+  float* xs;    // [S, H] the rows of x grouped by expert
+  float* acts;  // [S, I] their activations
+  bool int8;    // quantize xs for the int8-activation products
+  // filled by run():
+  std::vector<int64_t> count, start, row_token;
+  std::vector<float> row_weight;
+  QuantizedX xq;
+
+  int64_t run(std::vector<Expert>& experts, std::vector<std::atomic<int64_t>>& ready) {
+    const int64_t S = N * top_k;
+    std::vector<int64_t> chosen(S), idx(E);
+    std::vector<float> weight(S), probs(E);
+    count.assign(E, 0);
+    for (int64_t n = 0; n < N; ++n) {
+      const float* l = logits + n * E;
+      const float m = *std::max_element(l, l + E);
+      float sum = 0.f;
+      for (int64_t e = 0; e < E; ++e) sum += (probs[e] = std::exp(l[e] - m));
+      for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
+      std::iota(idx.begin(), idx.end(), 0);
+      std::partial_sort(idx.begin(), idx.begin() + top_k, idx.end(),
+                        [&](int64_t a, int64_t b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); });
+      float total = 0.f;
+      for (int64_t k = 0; k < top_k; ++k) total += probs[idx[k]];
+      for (int64_t k = 0; k < top_k; ++k) {
+        chosen[n * top_k + k] = idx[k];
+        weight[n * top_k + k] = probs[idx[k]] / total;
+        ++count[idx[k]];
+      }
+    }
+    start.assign(E + 1, 0);  // selections grouped by expert (stable): slot[s] is selection s's row
+    for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + count[e];
+    std::vector<int64_t> fill(start.begin(), start.end() - 1), slot(S);
+    for (int64_t s = 0; s < S; ++s) slot[s] = fill[chosen[s]]++;
+    row_token.resize(S);
+    row_weight.resize(S);
+    for (int64_t s = 0; s < S; ++s) {
+      std::copy(x + (s / top_k) * H, x + (s / top_k + 1) * H, xs + slot[s] * H);
+      row_token[slot[s]] = s / top_k;
+      row_weight[slot[s]] = weight[s];
+    }
+    if (int8) quantize_x(xs, S, H, H, xq);
+    std::vector<int64_t> hit;  // the selected experts, most rows first
+    for (int64_t e = 0; e < E; ++e)
+      if (count[e]) hit.push_back(e);
+    std::stable_sort(hit.begin(), hit.end(), [&](int64_t a, int64_t b) { return count[a] > count[b]; });
+    for (size_t j = 0; j < hit.size(); ++j) {
+      const int64_t e = hit[j];
+      experts[j + 1] = {xs + start[e] * H, count[e], gate_up.from(e * 2 * I), gate_up.from((e * 2 + 1) * I),
+                        down.from(e * H), I, acts + start[e] * I, row_token.data() + start[e],
+                        row_weight.data() + start[e], &ready[j + 1], int8 ? &xq : nullptr, start[e]};
+    }
+    return int64_t(hit.size());
+  }
+};
 
 }  // namespace
 
@@ -87,101 +148,63 @@ at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::T
   const Rows gu = rows_of(gate_up, H, "experts.gate_up_proj"), dn = rows_of(down, I, "experts.down_proj");
   const Rows sg = rows_of(sh_gate, H, "shared gate_proj"), su = rows_of(sh_up, H, "shared up_proj");
   const Rows sd = rows_of(sh_down, Is, "shared down_proj");
-  const auto opt = x.options();
+  const Rows rt = rows_of(router, H, "router"), seg = rows_of(sh_expert_gate.view({1, H}), H, "shared expert gate");
   const float* xp = x.data_ptr<float>();
+  const int64_t S = N * top_k, T = at::get_num_threads(), parts = std::max<int64_t>(1, pieces_per_expert);
 
-  // 1. router and shared-expert gate logits
-  auto logits = at::empty({N, E}, opt), gate_logit = at::empty({N, 1}, opt);
-  run_products({{xp, N, H, rows_of(router, H), E, H, logits.data_ptr<float>()},
-                {xp, N, H, rows_of(sh_expert_gate.view({1, H}), H), 1, H, gate_logit.data_ptr<float>()}});
-
-  // 2. routing: top-k of the softmax, renormalised; selections grouped by expert (stable)
-  const int64_t S = N * top_k;
-  std::vector<int64_t> chosen(S), count(E, 0);
-  std::vector<float> weight(S), probs(E);
-  std::vector<int64_t> idx(E);
-  const float* lp = logits.data_ptr<float>();
-  for (int64_t n = 0; n < N; ++n) {
-    const float* l = lp + n * E;
-    const float m = *std::max_element(l, l + E);
-    float sum = 0.f;
-    for (int64_t e = 0; e < E; ++e) sum += (probs[e] = std::exp(l[e] - m));
-    for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
-    std::iota(idx.begin(), idx.end(), 0);
-    std::partial_sort(idx.begin(), idx.begin() + top_k, idx.end(),
-                      [&](int64_t a, int64_t b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); });
-    float total = 0.f;
-    for (int64_t k = 0; k < top_k; ++k) total += probs[idx[k]];
-    for (int64_t k = 0; k < top_k; ++k) {
-      chosen[n * top_k + k] = idx[k];
-      weight[n * top_k + k] = probs[idx[k]] / total;
-      ++count[idx[k]];
-    }
-  }
-  std::vector<int64_t> start(E + 1, 0), slot(S);  // slot[s]: row of selection s in the grouped order
-  for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + count[e];
-  {
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t s = 0; s < S; ++s) slot[s] = fill[chosen[s]]++;
-  }
-  auto xs = at::empty({S, H}, opt);
-  float* xsp = xs.data_ptr<float>();
-  std::vector<int64_t> row_token(S);
-  std::vector<float> row_weight(S);
-  for (int64_t s = 0; s < S; ++s) {
-    std::copy(xp + (s / top_k) * H, xp + (s / top_k + 1) * H, xsp + slot[s] * H);
-    row_token[slot[s]] = s / top_k;
-    row_weight[slot[s]] = weight[s];
-  }
-
-  // 3. the experts: the shared one first (all rows), then the selected ones, most rows first
+  std::vector<float> logits(N * E), gate_logit(N), shared_weight(N);
+  std::vector<float> xs(S * H), acts(N * Is + S * I), partial(T * N * H, 0.f);
   std::vector<int64_t> tokens(N);
   std::iota(tokens.begin(), tokens.end(), 0);
-  std::vector<float> shared_weight(N);
-  const float* glp = gate_logit.data_ptr<float>();
-  for (int64_t n = 0; n < N; ++n) shared_weight[n] = sigmoid(glp[n]);
-  std::vector<int64_t> hit;
-  for (int64_t e = 0; e < E; ++e)
-    if (count[e]) hit.push_back(e);
-  std::stable_sort(hit.begin(), hit.end(), [&](int64_t a, int64_t b) { return count[a] > count[b]; });
-  auto acts = at::empty({N * Is + S * I}, opt);
-  float* actp = acts.data_ptr<float>();
-  std::vector<std::atomic<int64_t>> ready(hit.size() + 1);
+  std::vector<std::atomic<int64_t>> ready(1 + S);  // per expert (shared first): finished gate/up pieces
   for (auto& r : ready) r.store(0);
-  std::vector<Expert> experts{{xp, N, sg, su, sd, Is, actp, tokens.data(), shared_weight.data(), &ready[0]}};
-  for (size_t j = 0; j < hit.size(); ++j) {
-    const int64_t e = hit[j];
-    experts.push_back({xsp + start[e] * H, count[e], gu.from(e * 2 * I), gu.from((e * 2 + 1) * I), dn.from(e * H),
-                       I, actp + N * Is + start[e] * I, row_token.data() + start[e], row_weight.data() + start[e],
-                       &ready[j + 1]});
-  }
-  std::vector<QuantizedX> xqs(experts.size());
-  for (size_t j = 0; j < experts.size(); ++j)
-    if (int8_path(experts[j].gate)) {
-      quantize_x(experts[j].x, experts[j].M, H, H, xqs[j]);
-      experts[j].xq = &xqs[j];
-    }
-  const int64_t parts = std::max<int64_t>(1, pieces_per_expert);
-  std::vector<Piece> pieces;
-  for (size_t j = 0; j < experts.size(); ++j) cut(pieces, j, experts[j].I, parts, false);
-  for (size_t j = 0; j < experts.size(); ++j) cut(pieces, j, H, parts, true);
+  std::vector<Expert> experts(1 + S);  // the shared expert, then the selected ones (written by the routing)
+  QuantizedX xq_shared;
+  const bool int8 = int8_path(sg);
+  if (int8) quantize_x(xp, N, H, H, xq_shared);
+  experts[0] = {xp, N, sg, su, sd, Is, acts.data(), tokens.data(), shared_weight.data(), &ready[0],
+                int8 ? &xq_shared : nullptr, 0};
+  Routing routing{logits.data(), N, E, top_k, H, I, xp, gu, dn, xs.data(), acts.data() + N * Is, int8_path(gu)};
 
-  const int64_t T = at::get_num_threads();
-  auto partial = at::zeros({T, N, H}, opt);  // each thread's share of the output
-  std::atomic<int64_t> next{0};
+  // the queue: T router pieces, then gate/up pieces of experts 0 (shared), 1, ..., k, then their down
+  // pieces; `routed` is 1 + k once the routing is out (0 before)
+  std::atomic<int64_t> next{0}, routers_done{0}, routed{0};
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t) {
-    std::vector<float> scratch(2 * 8 * std::max(std::max(I, Is), H));
-    float* out = partial.data_ptr<float>() + t0 * N * H;
-    for (int64_t p = next++; p < (int64_t)pieces.size(); p = next++) {
-      const Piece& piece = pieces[p];
-      const Expert& e = experts[piece.expert];
-      if (!piece.down) {
-        gate_up_piece(e, piece.begin, piece.end, H, scratch.data());
+    thread_local std::vector<float> scratch;  // a piece's products (kept: no allocation per call)
+    scratch.resize(2 * 8 * std::max(std::max(I, Is), H));
+    float* out = partial.data() + t0 * N * H;
+    for (int64_t p = next++;; p = next++) {
+      if (p < T) {  // a router piece
+        const int64_t r0 = E * p / T, r1 = E * (p + 1) / T;
+        block(xp, N, H, rt, H, r0, r1, logits.data(), E);
+        if (p == 0) {
+          block(xp, N, H, seg, H, 0, 1, gate_logit.data(), 1);
+          for (int64_t n = 0; n < N; ++n) shared_weight[n] = sigmoid(gate_logit[n]);
+        }
+        if (routers_done.fetch_add(1, std::memory_order_acq_rel) + 1 == T)  // the last one routes
+          routed.store(1 + routing.run(experts, ready), std::memory_order_release);
+        continue;
+      }
+      const int64_t q = p - T;
+      int64_t count = q < parts ? 1 : 0;  // experts known: the shared one's gate/up needs no routing
+      if (!count)
+        while ((count = routed.load(std::memory_order_acquire)) == 0) std::this_thread::yield();
+      if (q >= 2 * count * parts) break;
+      const bool is_down = q >= count * parts;
+      const int64_t j = (q % (count * parts)) / parts, part = q % parts;
+      const Expert& e = experts[j];
+      if (!is_down) {
+        gate_up_piece(e, cut(e.I, part, parts), cut(e.I, part + 1, parts), H, scratch.data());
         continue;
       }
       while (e.ready->load(std::memory_order_acquire) < parts) std::this_thread::yield();  // gate/up still running
-      down_piece(e, piece.begin, piece.end, H, out, scratch.data());
+      down_piece(e, cut(H, part, parts), cut(H, part + 1, parts), H, out, scratch.data());
     }
   });
-  return partial.sum(0);
+  auto result = at::empty({N, H}, x.options());
+  float* rp = result.data_ptr<float>();
+  std::copy(partial.begin(), partial.begin() + N * H, rp);
+  for (int64_t t = 1; t < T; ++t)
+    for (int64_t i = 0; i < N * H; ++i) rp[i] += partial[t * N * H + i];
+  return result;
 }
