@@ -9,6 +9,12 @@ input projections, the fused DeltaNet token step and out_proj; per attention lay
 projections, the fused norm/rotary/KV-write/attention/gate kernel and o_proj; per MLP a norm and
 the fused MoE block (or a SwiGLU); the residual adds; the final norm.
 
+`decode_logits` goes one step further for token ids (the engines' decode steps): the same plan's
+`step` also gathers the embeddings, computes the rotary angles and applies the LM head, so that a
+step is one call from token ids to logits. (Every tensor operation Python runs between the weight
+streams runs cache-cold, ~10-100 us each: the ~30 of the embedding, rotary, head and module calls
+cost ~0.5 ms of a ~14 ms int4 step of the benchmark model.)
+
 It applies to float32 CPU activations with the kernels on (`QWEN35_CPU_KERNELS`), at most
 `kernels.MAX_ROWS` rows, DeltaNet value head dims divisible by 16 and grouped experts, with weights
 in any storage format (lm/formats) and any query/KV head ratio; otherwise `decode_layers` returns
@@ -25,11 +31,13 @@ import weakref
 import torch
 
 from . import kernels
+from .attention import attention_mask_for
 from .cache import Cache, KVSlot
 from .linear import Linear
 from .moe import SparseMoeBlock
 
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Cache -> DecodePlan or None (n/a)
+_with_ends: weakref.WeakSet = weakref.WeakSet()  # the caches whose plan has its ends (set_ends)
 _said: set[str] = set()  # the reasons already said by _step_aside
 _NO_TENSOR, _NO_MASK = torch.empty(0), torch.empty(0, dtype=torch.bool)
 
@@ -45,24 +53,55 @@ def _step_aside(reason: str) -> None:
 def decode_layers(model, x: torch.Tensor, cache: Cache, rope, attn_mask) -> torch.Tensor | None:
     """`model` a `TextModel`; x [B, 1, hidden] token embeddings whose position the cache has reserved.
     Returns the final-normed hidden states [B, 1, hidden], or None when the fast path does not apply."""
-    k = kernels._fusable(x)
-    if k is None or x.shape[0] > kernels.MAX_ROWS:
-        return None
-    if cache not in _plans:  # once per generation: the cache lives as long as one
-        _plans[cache] = build_plan(k, model, x.shape[0])
-    plan = _plans[cache]
+    plan = _plan(kernels._fusable(x), model, cache, x.shape[0])
     if plan is None:
         return None
+    cos, sin = rope  # [B, 1, R]
+    return plan.run(x[:, 0], _states(cache), cos[:, 0], sin[:, 0], *_keep_and_pos(cache, attn_mask))[:, None]
+
+
+def decode_logits(lm, input_ids: torch.Tensor, positions: torch.Tensor, cache: Cache) -> torch.Tensor | None:
+    """`lm` a `CausalLM`; input_ids [B, 1] tokens whose position the cache has reserved, positions
+    [3, B, 1] their mRoPE positions. Returns the logits [B, 1, vocab] of one `DecodePlan.step`, or
+    None when the fast path does not apply (the caller runs the model)."""
+    model = lm.model
+    plan = _plan(kernels._fusable(model.norm.weight), model, cache, input_ids.shape[0])
+    if plan is None:
+        return None
+    if cache not in _with_ends:  # once per generation, as the plan
+        head, rotary = lm.lm_head.weight, model.rotary_emb
+        plan.set_ends(model.embed_tokens.weight, rotary.inv_freq, rotary.axis, head)
+        if input_ids.shape[0] >= kernels.panel_rows() and (copy := kernels.panels(head)).numel():
+            plan.add_panels(head, copy)
+        _with_ends.add(cache)
+    keep, pos = _keep_and_pos(cache, None if cache.lengths is not None else attention_mask_for(cache, 1))
+    return plan.step(input_ids[:, 0].contiguous(), positions[:, :, 0], _states(cache), keep, pos)[:, None]
+
+
+def _plan(k, model, cache: Cache, rows: int):
+    """The cache's plan (built on its first step: the cache lives as long as one generation), or None."""
+    if k is None or rows > kernels.MAX_ROWS:
+        return None
+    if cache not in _plans:
+        _plans[cache] = build_plan(k, model, rows)
+    return _plans[cache]
+
+
+def _states(cache: Cache) -> list[torch.Tensor]:
+    """The cache's tensors in the plan's order: (k, v) or (conv window, recurrent state) per layer."""
     states = []
     for slot in cache.slots.values():
         states += (slot.k, slot.v) if isinstance(slot, KVSlot) else (slot.conv, slot.recurrent)
-    cos, sin = rope  # [B, 1, R]
+    return states
+
+
+def _keep_and_pos(cache: Cache, attn_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan's key mask (empty: none) and each row's cache position of its token."""
     if cache.lengths is not None:  # ragged rows: each writes at and attends up to its own length
-        keep, pos = _NO_MASK, cache.lengths.contiguous()
-    else:
-        keep = _NO_MASK if attn_mask is None else attn_mask.reshape(x.shape[0], -1)
-        pos = torch.full((x.shape[0],), cache.length, dtype=torch.long)
-    return plan.run(x[:, 0], states, cos[:, 0], sin[:, 0], keep, pos)[:, None]
+        return _NO_MASK, cache.lengths.contiguous()
+    rows = cache.batch
+    keep = _NO_MASK if attn_mask is None else attn_mask.reshape(rows, -1)
+    return keep, torch.full((rows,), cache.length, dtype=torch.long)
 
 
 def build_plan(k, model, rows: int):

@@ -8,7 +8,7 @@ from torch import nn
 from .attention import attention_mask_for
 from .cache import Cache
 from .config import TextConfig
-from .decode import decode_layers
+from .decode import decode_layers, decode_logits
 from .decoder import DecoderLayer
 from .linear import Linear
 from .norm import RMSNorm
@@ -93,12 +93,16 @@ class CausalLM(nn.Module):
         left padding; `positions` [3, B, T] are mRoPE positions (default: text positions). Without a
         cache, a fresh one just large enough is used and dropped.
         """
-        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        b, t, _ = x.shape
+        b, t = (input_ids if inputs_embeds is None else inputs_embeds).shape[:2]
         cache = self.make_cache(b, t) if cache is None else cache
         cache.begin(attention_mask, t)
         if positions is None:
             positions = text_positions(cache, t)
+        if inputs_embeds is None and t == 1 and attention_mask is None:  # a decode step from token ids
+            if (logits := decode_logits(self, input_ids, positions, cache)) is not None:
+                cache.advance(t)
+                return logits
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         real = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
         hidden = self.model(x, positions, cache, real)
         cache.advance(t)

@@ -38,5 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_dense_mlp", &DecodePlan::add_dense_mlp)
       .def("set_final_norm", &DecodePlan::set_final_norm)
       .def("add_panels", &DecodePlan::add_panels)
-      .def("run", &DecodePlan::run);
+      .def("run", &DecodePlan::run)
+      .def("set_ends", &DecodePlan::set_ends)
+      .def("step", &DecodePlan::step);
 }

@@ -7,7 +7,8 @@
 //   attention:      norm, q/k/v projections (+ biases), attention_token.cpp, o_proj (+ bias);
 //   MLP:            norm, the fused MoE block (moe_decode.cpp) or a SwiGLU through the products;
 // each with its residual add; then the final norm. With 5-8 rows, the products of the weights given
-// to add_panels stream their panel copies (vec.h).
+// to add_panels stream their panel copies (vec.h). `step` adds the ends: the token embeddings and
+// rotary angles before, the LM head after.
 
 #include "kernels.h"
 #include "vec.h"
@@ -97,4 +98,48 @@ at::Tensor DecodePlan::run(at::Tensor x, std::vector<at::Tensor> states, at::Ten
     }
   }
   return rms_norm(h, final_norm_, eps_, 1.0);
+}
+
+void DecodePlan::set_ends(at::Tensor embedding, at::Tensor inv_freq, at::Tensor axis, at::Tensor head) {
+  TORCH_CHECK(embedding.dim() == 2 && embedding.is_contiguous() &&
+                  (embedding.scalar_type() == at::kFloat || embedding.scalar_type() == at::kBFloat16),
+              "decode plan: the embedding table must be a contiguous float32 or bfloat16 [vocab, hidden] tensor");
+  check(inv_freq, "inv_freq");
+  TORCH_CHECK(axis.scalar_type() == at::kLong && axis.is_contiguous() && axis.numel() == inv_freq.numel(),
+              "decode plan: axis must be int64 with one row index per rotary frequency");
+  const int64_t* a = axis.data_ptr<int64_t>();
+  for (int64_t i = 0; i < axis.numel(); ++i) TORCH_CHECK(a[i] >= 0 && a[i] < 3, "decode plan: axis values are 0, 1 or 2");
+  rows_of(head, embedding.size(1), "lm_head");  // a clear error now rather than at the first step
+  embedding_ = embedding, inv_freq_ = inv_freq, axis_ = axis, head_ = head;
+}
+
+at::Tensor DecodePlan::step(at::Tensor ids, at::Tensor positions, std::vector<at::Tensor> states, at::Tensor keep,
+                            at::Tensor pos) const {
+  TORCH_CHECK(head_.defined(), "decode plan: step needs set_ends first");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "step: ids must be int64 [B]");
+  const int64_t B = ids.size(0), H = embedding_.size(1), vocab = embedding_.size(0), F = inv_freq_.numel();
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 2 && positions.size(0) == 3 &&
+                  positions.size(1) == B, "step: positions must be int64 [3, B]");
+  const auto p = positions.contiguous();
+  const int64_t *ip = ids.data_ptr<int64_t>(), *pp = p.data_ptr<int64_t>(), *ax = axis_.data_ptr<int64_t>();
+  auto x = at::empty({B, H}, inv_freq_.options());
+  auto cos = at::empty({B, 2 * F}, x.options()), sin = at::empty({B, 2 * F}, x.options());
+  float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const float* inv = inv_freq_.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_INDEX(ip[b] >= 0 && ip[b] < vocab, "step: token id ", ip[b], " outside the vocabulary of ", vocab);
+    if (embedding_.scalar_type() == at::kFloat) {
+      const float* row = embedding_.data_ptr<float>() + ip[b] * H;
+      std::copy(row, row + H, xp + b * H);
+    } else {  // bf16 -> float32: exact
+      const auto* row = reinterpret_cast<const uint8_t*>(embedding_.data_ptr()) + ip[b] * H * 2;
+      for (int64_t k = 0; k < H; ++k) xp[b * H + k] = TraitsBF16::at(row, k);
+    }
+    for (int64_t i = 0; i < F; ++i) {  // emb = [freqs, freqs], freqs[i] = float(position of row axis[i]) inv_freq[i]
+      const float angle = float(pp[ax[i] * B + b]) * inv[i];
+      cp[b * 2 * F + i] = cp[b * 2 * F + F + i] = std::cos(angle);
+      sp[b * 2 * F + i] = sp[b * 2 * F + F + i] = std::sin(angle);
+    }
+  }
+  return products(run(x, std::move(states), cos, sin, keep, pos), {head_})[0];
 }

@@ -55,12 +55,22 @@ class DecodePlan {
   void set_final_norm(at::Tensor norm) { final_norm_ = norm; }
   // the panel copy of one of the plan's weights (vec.h): its products with 5-8 rows go through it
   void add_panels(at::Tensor weight, at::Tensor panels) { panels_[weight.data_ptr()] = panels; }
+  // the ends of a whole step (for `step`): the embedding table [vocab, hidden] (float32 or bf16 rows),
+  // the rotary frequencies inv_freq [R/2] float32 with the position row (0 t, 1 h, 2 w) of each,
+  // axis [R/2] int64, and the LM head [vocab, hidden] (any format)
+  void set_ends(at::Tensor embedding, at::Tensor inv_freq, at::Tensor axis, at::Tensor head);
   // x [B, hidden] token embeddings; states: two per layer, (conv window, recurrent state) or
   // (k cache, v cache); cos, sin [B, R] rotary angles; pos [B] int64 the cache position of each
   // row's token (rows may differ: the serving engine's rows each have their own length); keep
   // [B, max(pos) + 1] bool or empty (no mask). Returns the final-normed hidden states [B, hidden].
   at::Tensor run(at::Tensor x, std::vector<at::Tensor> states, at::Tensor cos, at::Tensor sin, at::Tensor keep,
                  at::Tensor pos) const;
+  // `run` between its ends (set_ends): ids [B] int64 the tokens, positions [3, B] int64 their mRoPE
+  // positions -> logits [B, vocab]: the embedding rows, cos / sin of the rotary angles (as
+  // lm/rotary.py), the layers, the head. One call instead of some 30 tensor operations in Python,
+  // each of which runs cache-cold after the weight streams (~0.4 ms a step on the benchmark model).
+  at::Tensor step(at::Tensor ids, at::Tensor positions, std::vector<at::Tensor> states, at::Tensor keep,
+                  at::Tensor pos) const;
 
  private:
   struct Layer {
@@ -72,6 +82,6 @@ class DecodePlan {
   std::vector<at::Tensor> products(const at::Tensor& x, std::vector<at::Tensor> weights) const;
   std::vector<Layer> layers_;
   std::unordered_map<const void*, at::Tensor> panels_;  // weight data -> its panel copy
-  at::Tensor final_norm_;
+  at::Tensor final_norm_, embedding_, inv_freq_, axis_, head_;
   double eps_;
 };

@@ -19,15 +19,24 @@ def _decode_logits(model, ids, steps: int) -> torch.Tensor:
 
 
 def _count_fast_steps(monkeypatch) -> list[bool]:
-    """A list that records, for each decode step from now on, whether it took the fast path."""
-    used, fast = [], lm.model.decode_layers
+    """A list that records, for each decode step from now on, whether it took the fast path: the
+    one-call step from token ids (decode_logits) or, where that does not apply, the layers' one
+    (decode_layers, which the model calls after decode_logits declined)."""
+    used, layers, logits = [], lm.model.decode_layers, lm.model.decode_logits
 
-    def counting(*args):
-        out = fast(*args)
+    def counting_layers(*args):
+        out = layers(*args)
         used.append(out is not None)
         return out
 
-    monkeypatch.setattr(lm.model, "decode_layers", counting)
+    def counting_logits(*args):
+        out = logits(*args)
+        if out is not None:
+            used.append(True)
+        return out
+
+    monkeypatch.setattr(lm.model, "decode_layers", counting_layers)
+    monkeypatch.setattr(lm.model, "decode_logits", counting_logits)
     return used
 
 
@@ -135,3 +144,20 @@ def test_fast_decode_with_attention_biases_equals_reference(monkeypatch):
     ours = _decode_logits(Wrapped, ids, steps=4)
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "0")
     assert rel_err(ours, _decode_logits(Wrapped, ids, steps=4)) < 1e-5
+
+
+def test_one_call_step_refuses_a_token_outside_the_vocabulary(checkpoints, monkeypatch):
+    """decode_logits gathers the embedding rows itself: an id past the table is the same IndexError
+    as the embedding layer's, and the cache stays usable."""
+    _, path = checkpoints("moe_text")
+    model = mm.load_model(path)
+    vocab = model.lm.config.vocab_size
+    for switch in ("1", "0"):
+        monkeypatch.setenv("QWEN35_CPU_KERNELS", switch)
+        cache = model.lm.make_cache(1, 8)
+        with torch.no_grad():
+            model.lm(torch.tensor([[5, 6]]), cache=cache)
+            with pytest.raises(IndexError):
+                model.lm(torch.tensor([[vocab]]), cache=cache)
+            assert cache.length == 2
+            assert torch.isfinite(model.lm(torch.tensor([[7]]), cache=cache)).all()
