@@ -94,7 +94,8 @@ at::Tensor DecodePlan::run(at::Tensor x, std::vector<at::Tensor> states, at::Ten
       h.add_(moe_decode(n2, m[1], m[2], m[3], l.top_k, m[4], m[5], m[6], m[7], l.pieces));
     } else {
       const auto p = products(n2, {m[1], m[2]});
-      h.add_(products(at::silu(p[0]).mul_(p[1]), {m[3]})[0]);
+      silu_mul(p[0].data_ptr<float>(), p[1].data_ptr<float>(), p[0].data_ptr<float>(), p[0].numel());
+      h.add_(products(p[0], {m[3]})[0]);
     }
   }
   return rms_norm(h, final_norm_, eps_, 1.0);

@@ -149,11 +149,10 @@ at::Tensor gdn_decode(at::Tensor qkv, at::Tensor z, at::Tensor b_in, at::Tensor 
         for (int64_t j = 0; j + 1 < Km1; ++j) w[j * C + c] = w[(j + 1) * C + c];
         if (Km1) w[(Km1 - 1) * C + c] = xp[r * C + c];
       }
+      silu_mul(cp + r * C + c0, nullptr, cp + r * C + c0, c1 - c0);  // vectorised (vec.h)
     }
   });
-  at::silu_(conv);  // ATen's vectorised SiLU (a scalar exp per channel costs more than the conv)
-  const auto z_silu = at::silu(z);
-  const float* zsp = z_silu.data_ptr<float>();
+  const float* zp = z.data_ptr<float>();
   // 2. q, k unit norms (q scaled by Dk^-1/2) and the gates: small, serial
   for (int64_t r = 0; r < B; ++r) {
     for (int64_t h = 0; h < Hk; ++h) {
@@ -173,8 +172,10 @@ at::Tensor gdn_decode(at::Tensor qkv, at::Tensor z, at::Tensor b_in, at::Tensor 
       float* o = op + r * Vd + h * Dv;
       delta_step_head(S + t * Dk * Dv, Dk, Dv, q, k, v, decay[t], beta[t], o);
       const float inv = 1.f / std::sqrt(dot(o, o, Dv) / float(Dv) + float(eps));
-      const float* zh = zsp + r * Vd + h * Dv;
-      for (int64_t i = 0; i < Dv; ++i) o[i] = nw[i] * (o[i] * inv) * zh[i];
+      thread_local std::vector<float> zs;  // silu(z) of this head
+      zs.resize(Dv);
+      silu_mul(zp + r * Vd + h * Dv, nullptr, zs.data(), Dv);
+      for (int64_t i = 0; i < Dv; ++i) o[i] = nw[i] * (o[i] * inv) * zs[i];
     }
   });
   return out;

@@ -51,8 +51,7 @@ void gate_up_piece(const Expert& e, int64_t i0, int64_t i1, int64_t H, float* sc
     block(e.x, e.M, H, e.gate.from(i0), H, 0, w, g, w);
     block(e.x, e.M, H, e.up.from(i0), H, 0, w, u, w);
   }
-  for (int64_t m = 0; m < e.M; ++m)
-    for (int64_t i = 0; i < w; ++i) e.act[m * e.I + i0 + i] = silu(g[m * w + i]) * u[m * w + i];
+  for (int64_t m = 0; m < e.M; ++m) silu_mul(g + m * w, u + m * w, e.act + m * e.I + i0, w);
   e.ready->fetch_add(1, std::memory_order_release);
 }
 
