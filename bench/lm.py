@@ -111,18 +111,18 @@ def decode_flops(model, batch: int) -> float:
 class ExpertCounter:
     """Counts distinct experts per MoE block call in decode steps, recomputing the routing in a
     forward pre-hook. Use it on an untimed run: while it counts, decode steps go through the layer
-    modules (the fast path of lm/decode.py calls the kernels without them, so no hook would run)."""
+    modules (the fast paths of lm/decode.py call the kernels without them, so no hook would run)."""
 
     def __init__(self, model):
         self.counts: list[int] = []
         self.hooks = [m.register_forward_pre_hook(self._hook) for n, m in model.lm.named_modules()
                       if n.endswith(".mlp") and hasattr(m, "gate")]
-        self._fast = lm.model.decode_layers
-        lm.model.decode_layers = lambda *args: None  # "does not apply": TextModel runs its layers
+        self._fast = lm.model.decode_layers, lm.model.decode_logits
+        lm.model.decode_layers = lm.model.decode_logits = lambda *args: None  # "does not apply": the layers run
 
     def _hook(self, module, args):
         x = args[0].reshape(-1, args[0].shape[-1])
-        if x.shape[0] <= 8:  # a decode step (prompts here are longer than any decode batch)
+        if args[0].dim() == 3 and args[0].shape[1] == 1:  # a decode step [B, 1, H], not a prompt
             experts, _ = module.gate(x)
             self.counts.append(int(experts.unique().numel()))
 
@@ -132,7 +132,7 @@ class ExpertCounter:
     def close(self):
         for h in self.hooks:
             h.remove()
-        lm.model.decode_layers = self._fast
+        lm.model.decode_layers, lm.model.decode_logits = self._fast
 
 
 # ---------------------------------------------------------------- timings
