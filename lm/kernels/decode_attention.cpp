@@ -27,25 +27,11 @@ constexpr int value_blocks(int heads) { return W == 16 || heads <= 3 ? 4 : 2; }
 constexpr int64_t VALUE_TILE = 128;
 constexpr int64_t LINE = 64 / sizeof(float);
 
-// exp(x) for x <= 0 in float32 vectors (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6
-// polynomial in r, times 2^n through the exponent bits; ~1 ulp), 0 below -87.3 (-inf included).
-// std::exp one value at a time took as long as a fifth of the whole decode attention.
+// exp(x) for x <= 0 in float32 vectors (vec.h's vexp), 0 below -87.3 (-inf included). std::exp
+// one value at a time took as long as a fifth of the whole decode attention.
 inline vec exp_nonpositive(vec x) {
   typedef int32_t ivec __attribute__((vector_size(sizeof(vec))));
-  const vec magic = vec{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
-  const vec t = x * 1.44269504088896341f + magic;
-  const vec n = t - magic;
-  vec r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  vec p = vec{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.f;
-  const vec scale = (vec)(((ivec)t - (ivec)magic + 127) << 23);  // 2^n (vector casts keep the bits)
-  return (vec)((ivec)(p * scale) & (x > -87.3f));                  // the comparison: all ones where true
+  return (vec)((ivec)vexp(x) & (x > -87.3f));  // the comparison: all ones where true
 }
 
 // p[l * rep + r] = exp(p[l * rep + r] - m[r]) for l < L, and sum[r] = the sum of head r's (a head

@@ -352,30 +352,27 @@ inline void rms_norm_row(const float* x, const float* w, float eps, float offset
 }
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 
-// exp of W floats at once (Cephes' expf: 2^n times a degree-7 polynomial of the remainder; relative
-// error ~2e-7, as ATen's vectorised exp; arguments clamped to [-87.3, 88], where float32 stays
-// finite and normal), so that SiLU costs no scalar exp per element.
+// exp of W floats at once (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r,
+// times 2^n through the exponent bits; ~1 ulp), the arguments clamped to [-87.3, 88], where float32
+// stays finite and normal. std::exp one value at a time costs more than the arithmetic around it
+// (SiLU in the decode kernels; the softmax of decode attention, through exp_nonpositive).
 typedef int32_t wvec_i32 __attribute__((vector_size(W * sizeof(int32_t))));
 inline vec vexp(vec x) {
-  const vec hi = vec{} + 88.f, lo = vec{} - 87.3f;
-  x = x > hi ? hi : x;
-  x = x < lo ? lo : x;
-  const vec y = x * 1.44269504088896341f + 0.5f;  // n = floor(x log2(e) + 1/2)
-  wvec_i32 n = __builtin_convertvector(y, wvec_i32);  // truncates: one less where y < 0 is not whole
-  n += __builtin_convertvector(n, vec) > y;  // (a true comparison is -1)
-  const vec nf = __builtin_convertvector(n, vec);
-  const vec r = x - nf * 0.693359375f + nf * 2.12194440e-4f;  // x - n ln 2, in two parts
+  x = x > 88.f ? vec{} + 88.f : x;
+  x = x < -87.3f ? vec{} - 87.3f : x;
+  const vec magic = vec{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  const vec t = x * 1.44269504088896341f + magic;
+  const vec n = t - magic;
+  vec r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
   vec p = vec{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const wvec_i32 scale = (n + 127) << 23;  // 2^n
-  vec s;
-  __builtin_memcpy(&s, &scale, sizeof(s));
-  return p * s;
+  p = p * (r * r) + r + 1.f;
+  return p * (vec)(((wvec_i32)t - (wvec_i32)magic + 127) << 23);  // 2^n (vector casts keep the bits)
 }
 
 // out[i] = silu(g[i]) * (u ? u[i] : 1) for i < n (out may be g): SwiGLU's product, or SiLU alone.
