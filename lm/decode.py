@@ -37,7 +37,6 @@ from .linear import Linear
 from .moe import SparseMoeBlock
 
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Cache -> DecodePlan or None (n/a)
-_with_ends: weakref.WeakSet = weakref.WeakSet()  # the caches whose plan has its ends (set_ends)
 _said: set[str] = set()  # the reasons already said by _step_aside
 _NO_TENSOR, _NO_MASK = torch.empty(0), torch.empty(0, dtype=torch.bool)
 
@@ -68,12 +67,11 @@ def decode_logits(lm, input_ids: torch.Tensor, positions: torch.Tensor, cache: C
     plan = _plan(kernels._fusable(model.norm.weight), model, cache, input_ids.shape[0])
     if plan is None:
         return None
-    if cache not in _with_ends:  # once per generation, as the plan
+    if not plan.has_ends():  # once per generation, as the plan
         head, rotary = lm.lm_head.weight, model.rotary_emb
         plan.set_ends(model.embed_tokens.weight, rotary.inv_freq, rotary.axis, head)
         if input_ids.shape[0] >= kernels.panel_rows() and (copy := kernels.panels(head)).numel():
             plan.add_panels(head, copy)
-        _with_ends.add(cache)
     keep, pos = _keep_and_pos(cache, None if cache.lengths is not None else attention_mask_for(cache, 1))
     return plan.step(input_ids[:, 0].contiguous(), positions[:, :, 0], _states(cache), keep, pos)[:, None]
 

@@ -40,5 +40,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_panels", &DecodePlan::add_panels)
       .def("run", &DecodePlan::run)
       .def("set_ends", &DecodePlan::set_ends)
+      .def("has_ends", &DecodePlan::has_ends)
       .def("step", &DecodePlan::step);
 }

@@ -123,19 +123,14 @@ at::Tensor DecodePlan::step(at::Tensor ids, at::Tensor positions, std::vector<at
                   positions.size(1) == B, "step: positions must be int64 [3, B]");
   const auto p = positions.contiguous();
   const int64_t *ip = ids.data_ptr<int64_t>(), *pp = p.data_ptr<int64_t>(), *ax = axis_.data_ptr<int64_t>();
+  const Rows table = rows_of(embedding_, H, "embedding");
   auto x = at::empty({B, H}, inv_freq_.options());
   auto cos = at::empty({B, 2 * F}, x.options()), sin = at::empty({B, 2 * F}, x.options());
   float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const float* inv = inv_freq_.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK_INDEX(ip[b] >= 0 && ip[b] < vocab, "step: token id ", ip[b], " outside the vocabulary of ", vocab);
-    if (embedding_.scalar_type() == at::kFloat) {
-      const float* row = embedding_.data_ptr<float>() + ip[b] * H;
-      std::copy(row, row + H, xp + b * H);
-    } else {  // bf16 -> float32: exact
-      const auto* row = reinterpret_cast<const uint8_t*>(embedding_.data_ptr()) + ip[b] * H * 2;
-      for (int64_t k = 0; k < H; ++k) xp[b * H + k] = TraitsBF16::at(row, k);
-    }
+    to_float(table.from(ip[b]), 1, H, xp + b * H);  // float32 or bf16 (exact) rows
     for (int64_t i = 0; i < F; ++i) {  // emb = [freqs, freqs], freqs[i] = float(position of row axis[i]) inv_freq[i]
       const float angle = float(pp[ax[i] * B + b]) * inv[i];
       cp[b * 2 * F + i] = cp[b * 2 * F + F + i] = std::cos(angle);

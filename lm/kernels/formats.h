@@ -129,9 +129,9 @@ struct TraitsBF16 {
   static constexpr int64_t block_bytes = QK * 2;
   static constexpr int streamed_rows = 1;  // products of up to this many rows are memory-bound (prefetch_block)
   // how far ahead prefetch_block's L2 rule reaches (bytes): on Intel 8 KiB, not the 2 KiB of the
-  // block formats (Sapphire Rapids, whole batch-1 bf16 steps in turns: bench 1.06-1.08x on the AVX-512
-  // and the AVX2 build, dense 1.05x; 4 KiB about as good, 16 KiB no better); elsewhere (AMD Zen 5)
-  // the 2 KiB it was measured with
+  // block formats (2-core Xeon, whole batch-1 bf16 steps in turns against 2 KiB: 1.04x in this build;
+  // 1.05-1.08x, AVX2 and dense included, in a build with the distance as a run-time setting; 4 and
+  // 16 KiB within the noise of 8); elsewhere (AMD Zen 5) the 2 KiB it was measured with
   static constexpr int64_t prefetch_l2_bytes = QWEN35_PREFETCH_ROWS == 1 ? 8192 : 2048;
   static inline void load(const uint8_t* row, int64_t b, wvec* w) {
     const uint8_t* p = row + b * block_bytes;

@@ -59,6 +59,7 @@ class DecodePlan {
   // the rotary frequencies inv_freq [R/2] float32 with the position row (0 t, 1 h, 2 w) of each,
   // axis [R/2] int64, and the LM head [vocab, hidden] (any format)
   void set_ends(at::Tensor embedding, at::Tensor inv_freq, at::Tensor axis, at::Tensor head);
+  bool has_ends() const { return head_.defined(); }
   // x [B, hidden] token embeddings; states: two per layer, (conv window, recurrent state) or
   // (k cache, v cache); cos, sin [B, R] rotary angles; pos [B] int64 the cache position of each
   // row's token (rows may differ: the serving engine's rows each have their own length); keep
