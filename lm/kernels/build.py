@@ -94,16 +94,31 @@ def cpu_family(cpuinfo: str | None = None) -> int:
     return int(value) if value.isdigit() else 0
 
 
-def cflags(vendor: str | None = None, family: int | None = None) -> list[str]:
-    """The compiler flags of the build QWEN35_CPU_ISA asks for, on this CPU (or `vendor`'s / `family`'s):
-    Intel CPUs prefetch one-row products in software, others do not; Intel and AMD Zen 5 on (family
-    0x1A+) prefetch the compact formats' memory-bound products into L2 (measured: formats.h,
-    prefetch_ahead and prefetch_block)."""
+def cpu_model(cpuinfo: str | None = None) -> int:
+    """The first `model` of /proc/cpuinfo (AMD family 25: Zen 3 below 0x10 and 0x20-0x5f, Zen 4 the
+    rest), or 0 when none."""
+    value = cpuinfo_field(("model",), cpuinfo) or ""
+    return int(value) if value.isdigit() else 0
+
+
+def is_zen3(family: int, model: int) -> bool:
+    """AMD family 25 (0x19) holds Zen 3 (models 0x00-0x0f, 0x20-0x5f) and Zen 4 (0x10-0x1f, 0x60 on)."""
+    return family == 0x19 and (model < 0x10 or 0x20 <= model < 0x60)
+
+
+def cflags(vendor: str | None = None, family: int | None = None, model: int | None = None) -> list[str]:
+    """The compiler flags of the build QWEN35_CPU_ISA asks for, on this CPU (or `vendor`'s / `family`'s
+    / `model`'s): Intel CPUs prefetch one-row products in software, others do not; Intel, AMD Zen 3 and
+    Zen 5 on (family 0x1A+) prefetch the compact formats' memory-bound products into L2, Zen 3 not
+    bf16's (measured: formats.h, prefetch_ahead and prefetch_block)."""
     vendor = cpu_vendor() if vendor is None else vendor
     family = cpu_family() if family is None else family
+    model = cpu_model() if model is None else model
     prefetch = ["-DQWEN35_PREFETCH_ROWS=1"] if vendor == "GenuineIntel" else []
     if vendor == "AuthenticAMD" and family >= 0x1A:  # Zen 5 on: the compact formats' L2 prefetch only
         prefetch.append("-DQWEN35_PREFETCH_L2=2")
+    if vendor == "AuthenticAMD" and is_zen3(family, model):  # the same, bf16 without
+        prefetch += ["-DQWEN35_PREFETCH_L2=2", "-DQWEN35_BF16_PREFETCH_L2=0"]
     return [*CFLAGS, *ISA_FLAGS[isa()], *prefetch]
 
 

@@ -125,14 +125,21 @@ struct TraitsF32 {
   static inline float at(const uint8_t* row, int64_t k) { return reinterpret_cast<const float*>(row)[k]; }
 };
 
+// How far ahead prefetch_block's L2 rule reaches in bf16 rows (bytes; 0: not prefetched at all):
+// on Intel 8 KiB, not the 2 KiB of the block formats (2-core Xeon, whole batch-1 bf16 steps in turns
+// against 2 KiB: 1.04x in this build; 1.05-1.08x, AVX2 and dense included, in a build with the distance
+// as a run-time setting; 4 and 16 KiB within the noise of 8); AMD Zen 5 the 2 KiB it was measured with;
+// Zen 3 none (-DQWEN35_BF16_PREFETCH_L2=0: one-row bf16 products, DRAM-cold, 2 cores, against no
+// prefetch in turns: 2 KiB 0.94x, 4 KiB 0.97x, 8 KiB 0.99x; one core 0.92x / 0.90x / 0.95x).
+#ifndef QWEN35_BF16_PREFETCH_L2
+#define QWEN35_BF16_PREFETCH_L2 (QWEN35_PREFETCH_ROWS == 1 ? 8192 : 2048)
+#endif
+
 struct TraitsBF16 {
   static constexpr int64_t block_bytes = QK * 2;
   static constexpr int streamed_rows = 1;  // products of up to this many rows are memory-bound (prefetch_block)
-  // how far ahead prefetch_block's L2 rule reaches (bytes): on Intel 8 KiB, not the 2 KiB of the
-  // block formats (2-core Xeon, whole batch-1 bf16 steps in turns against 2 KiB: 1.04x in this build;
-  // 1.05-1.08x, AVX2 and dense included, in a build with the distance as a run-time setting; 4 and
-  // 16 KiB within the noise of 8); elsewhere (AMD Zen 5) the 2 KiB it was measured with
-  static constexpr int64_t prefetch_l2_bytes = QWEN35_PREFETCH_ROWS == 1 ? 8192 : 2048;
+  // how far ahead prefetch_block's L2 rule reaches (bytes, 0: none): QWEN35_BF16_PREFETCH_L2 above
+  static constexpr int64_t prefetch_l2_bytes = QWEN35_BF16_PREFETCH_L2;
   static inline void load(const uint8_t* row, int64_t b, wvec* w) {
     const uint8_t* p = row + b * block_bytes;
     for (int j = 0; j < NB; ++j) w[j] = cvt_bf16(p + j * W * 2);
@@ -207,6 +214,11 @@ struct TraitsQ4_0 {
 // steps (bench.ab, noisy): bench bf16 1.00-1.07x, int8 1.06-1.08x, int4 1.00-1.07x; dense bf16
 // 1.12-1.19x, int8 1.11x, int4 1.01-1.08x. With the rule up to 8 rows, batch-8 int8 steps ran 0.92x,
 // hence 2. Zen 4 (measured a session before this rule, AVX2 build) keeps no rule.
+//
+// AMD Zen 3 (EPYC family 25 model 1, 2 cores, AVX2, probe 20-28 GB/s; build.py passes the same rule,
+// bf16 left out): 48 decode-shaped one-row products (bench.products' shapes), DRAM-cold, in turns
+// against no prefetch: Q4_0 1.10-1.16x (one core 1.21-1.28x), Q8_0 1.07-1.08x (one core 1.11-1.13x)
+// at 2, 4 or 8 KiB alike; bf16 slower at every distance (QWEN35_BF16_PREFETCH_L2 above).
 #ifndef QWEN35_PREFETCH_L2
 #define QWEN35_PREFETCH_L2 (QWEN35_PREFETCH_ROWS == 1 ? 8 : 0)  // Intel: every product size (8 rows at most)
 #endif
@@ -214,9 +226,9 @@ constexpr int PREFETCH_L2_ROWS = QWEN35_PREFETCH_L2;  // the rule's products hav
 
 template <class T, int R>
 inline void prefetch_block(const void* p) {
-  if constexpr (R <= PREFETCH_L2_ROWS && R <= T::streamed_rows)
-    __builtin_prefetch(static_cast<const char*>(p) + T::prefetch_l2_bytes, 0, 2);  // T's distance
-  else
+  if constexpr (R <= PREFETCH_L2_ROWS && R <= T::streamed_rows) {
+    if constexpr (T::prefetch_l2_bytes > 0) __builtin_prefetch(static_cast<const char*>(p) + T::prefetch_l2_bytes, 0, 2);
+  } else
     prefetch_ahead<R>(p, PREFETCH_BYTES);
 }
 

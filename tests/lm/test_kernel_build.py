@@ -50,13 +50,16 @@ def test_the_avx2_build_of_an_avx512_cpu_has_its_own_name_and_flags(monkeypatch)
     monkeypatch.delenv("QWEN35_CPU_ISA", raising=False)
     avx512 = AVX2 | {"avx512f", "avx512bw", "avx_vnni"}
     native = extension_name(avx512)
-    assert build.cflags("AuthenticAMD", 25) == build.CFLAGS  # Zen 4
+    assert build.cflags("AuthenticAMD", 25, 0x11) == build.CFLAGS  # Zen 4
+    zen3 = [*build.CFLAGS, "-DQWEN35_PREFETCH_L2=2", "-DQWEN35_BF16_PREFETCH_L2=0"]  # formats.h: bf16 not prefetched
+    assert build.cflags("AuthenticAMD", 25, 0x01) == zen3 and build.cflags("AuthenticAMD", 25, 0x21) == zen3
+    assert build.cpu_model("model name\t: AMD EPYC\nmodel\t\t: 1\n") == 1 and build.cpu_model("") == 0
     assert build.cflags("AuthenticAMD", 26) == [*build.CFLAGS, "-DQWEN35_PREFETCH_L2=2"]  # Zen 5: formats.h
     assert build.cpu_family("cpu family\t: 26\n") == 26 and build.cpu_family("") == 0
     assert build.cflags("GenuineIntel") == [*build.CFLAGS, "-DQWEN35_PREFETCH_ROWS=1"]  # formats.h: prefetch_ahead
     assert build.cpu_vendor(CPUINFO) == "GenuineIntel" and build.cpu_vendor(ARM_CPUINFO) == ""
     monkeypatch.setenv("QWEN35_CPU_ISA", "avx2")
-    assert build.cflags("AuthenticAMD", 25) == [*build.CFLAGS, "-mno-avx512f", "-mno-avxvnni"]
+    assert build.cflags("AuthenticAMD", 25, 0x11) == [*build.CFLAGS, "-mno-avx512f", "-mno-avxvnni"]
     assert build.build_flags(avx512) == AVX2  # the build's name lists the flags it uses
     forced = extension_name(avx512)
     assert "_avx2_" in forced and forced != native
