@@ -12,6 +12,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <vector>
 #include <cmath>
 
 #include "formats.h"
@@ -306,6 +308,31 @@ inline int64_t task_rows(const Product& p) {
   return rows_per_task(p.K);
 }
 
+// fn(t) for t in [0, n) on all threads: each thread takes the tasks of its own contiguous share in
+// order (one stream per thread, as a static split), then helps with what is left of the others'
+// shares (one atomic increment per task). A static split waits at its end for the slowest thread,
+// and on a 2-core VM one thread often runs late (a descheduled vCPU, the other core's extra work):
+// DRAM-cold one-row products on Zen 3 (48 decode-shaped weights, in turns against the static split):
+// fp32 1.06x, int4 1.05x, int8 1.02x, bf16 1.00x. Which thread computes a task changes nothing in
+// the result.
+template <class F>
+inline void parallel_tasks(int64_t n, const F& fn) {
+  if (n <= 0) return;
+  struct alignas(64) Share {
+    std::atomic<int64_t> next;
+    int64_t end;
+  };
+  const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::vector<Share> shares(T);
+  for (int64_t t = 0; t < T; ++t) shares[t].next.store(n * t / T), shares[t].end = n * (t + 1) / T;
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t) {  // one index per thread (all of them when serial)
+    for (int64_t h = 0; h < T; ++h) {
+      Share& share = shares[(t0 + h) % T];
+      for (int64_t t = share.next++; t < share.end; t = share.next++) fn(t);
+    }
+  });
+}
+
 // All products in one parallel region: each is cut into blocks of weight rows, and the blocks of
 // all products are shared among the threads (one fork/join instead of one per product).
 inline void run_products(const std::vector<Product>& products) {
@@ -321,18 +348,16 @@ inline void run_products(const std::vector<Product>& products) {
     for (int64_t m = 0; m < p.M; ++m)
       for (int64_t k = 0; k < p.K; ++k) xt[i][k * 8 + m] = p.x[m * p.ldx + k];
   }
-  at::parallel_for(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t i = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
-      const Product& p = products[i];
-      const int64_t step = task_rows(p), n0 = (t - first[i]) * step, n1 = std::min(p.N, n0 + step);
-      if (p.by_panels())
-        panel_block(xt[i].data(), p.M, p.panels, p.K, p.N, n0 / PANEL, (n1 + PANEL - 1) / PANEL, p.y, p.N);
-      else if (int8_path(p.W))
-        block_i8(xq[i], p.M, p.W, n0, n1, p.y, p.N);
-      else
-        block(p.x, p.M, p.ldx, p.W, p.K, n0, n1, p.y, p.N);
-    }
+  parallel_tasks(first.back(), [&](int64_t t) {
+    const int64_t i = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
+    const Product& p = products[i];
+    const int64_t step = task_rows(p), n0 = (t - first[i]) * step, n1 = std::min(p.N, n0 + step);
+    if (p.by_panels())
+      panel_block(xt[i].data(), p.M, p.panels, p.K, p.N, n0 / PANEL, (n1 + PANEL - 1) / PANEL, p.y, p.N);
+    else if (int8_path(p.W))
+      block_i8(xq[i], p.M, p.W, n0, n1, p.y, p.N);
+    else
+      block(p.x, p.M, p.ldx, p.W, p.K, n0, n1, p.y, p.N);
   });
 }
 
