@@ -110,7 +110,8 @@ def cflags(vendor: str | None = None, family: int | None = None, model: int | No
     """The compiler flags of the build QWEN35_CPU_ISA asks for, on this CPU (or `vendor`'s / `family`'s
     / `model`'s): Intel CPUs prefetch one-row products in software, others do not; Intel, AMD Zen 3 and
     Zen 5 on (family 0x1A+) prefetch the compact formats' memory-bound products into L2, Zen 3 not
-    bf16's (measured: formats.h, prefetch_ahead and prefetch_block)."""
+    bf16's, and Zen 3 streams one-row bf16 products two rows at a time (measured: formats.h,
+    prefetch_ahead and prefetch_block; vec.h, block_pairs)."""
     vendor = cpu_vendor() if vendor is None else vendor
     family = cpu_family() if family is None else family
     model = cpu_model() if model is None else model
@@ -118,7 +119,7 @@ def cflags(vendor: str | None = None, family: int | None = None, model: int | No
     if vendor == "AuthenticAMD" and family >= 0x1A:  # Zen 5 on: the compact formats' L2 prefetch only
         prefetch.append("-DQWEN35_PREFETCH_L2=2")
     if vendor == "AuthenticAMD" and is_zen3(family, model):  # the same, bf16 without
-        prefetch += ["-DQWEN35_PREFETCH_L2=2", "-DQWEN35_BF16_PREFETCH_L2=0"]
+        prefetch += ["-DQWEN35_PREFETCH_L2=2", "-DQWEN35_BF16_PREFETCH_L2=0", "-DQWEN35_BF16_PAIRS=1"]
     return [*CFLAGS, *ISA_FLAGS[isa()], *prefetch]
 
 

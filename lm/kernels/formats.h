@@ -154,6 +154,32 @@ struct TraitsBF16 {
   }
 };
 
+// bf16 read as pairs (QWEN35_BF16_PAIRS): 2W weights per register, as W 32-bit lanes; the low halves
+// shifted up are the even weights, the high halves masked the odd ones (one shift and one and per 2W
+// weights instead of two widening loads and two shifts). The products take x in the matching order:
+// per 2W inputs, the W even ones, then the W odd ones (pairs_order). Exact, as TraitsBF16.
+struct TraitsBF16Pairs : TraitsBF16 {
+  static inline void load(const uint8_t* row, int64_t b, wvec* w) {
+    const uint8_t* p = row + b * block_bytes;
+    for (int j = 0; j < NB; j += 2) {
+      wvec_u32 u;
+      std::memcpy(&u, p + j * W * 2, sizeof(u));
+      const wvec_u32 even = u << 16, odd = u & 0xffff0000u;
+      std::memcpy(&w[j], &even, sizeof(wvec));
+      std::memcpy(&w[j + 1], &odd, sizeof(wvec));
+    }
+  }
+};
+
+// x [K] in TraitsBF16Pairs' order -> out [K]: per 2W inputs the even ones, then the odd ones; the
+// K % 32 tail as it is.
+inline void pairs_order(const float* x, int64_t K, float* out) {
+  const int64_t K2 = K / QK * QK;
+  for (int64_t k = 0; k < K2; k += 2 * W)
+    for (int i = 0; i < W; ++i) out[k + i] = x[k + 2 * i], out[k + W + i] = x[k + 2 * i + 1];
+  for (int64_t k = K2; k < K; ++k) out[k] = x[k];
+}
+
 struct TraitsQ8_0 {
   static constexpr int64_t block_bytes = 2 + QK;
   static constexpr int streamed_rows = 8;

@@ -170,6 +170,48 @@ inline void dot_row_fmt(const float* x, int64_t ldx, const uint8_t* w, int64_t k
   }
 }
 
+// One row of x times two weight rows of format T at once: y[0] = x . wa, y[ldy_b] = x . wb, two chains
+// each. The rows a block apart in memory make two streams, which the hardware prefetchers of Zen 3
+// follow at fp32's byte rate where one bf16 stream does not (block_pairs).
+template <class T>
+inline void dot_two_rows(const float* x, const uint8_t* wa, const uint8_t* wb, int64_t K, float* ya, float* yb) {
+  wvec a[2] = {}, c[2] = {};
+  const int64_t b1 = K / QK;
+  for (int64_t b = 0; b < b1; ++b) {
+    prefetch_block<T, 1>(wa + b * T::block_bytes);
+    prefetch_block<T, 1>(wb + b * T::block_bytes);
+    wvec va[NB], vb[NB];
+    T::load(wa, b, va);
+    T::load(wb, b, vb);
+    for (int j = 0; j < NB; ++j) {
+      const wvec xj = wload(x + b * QK + j * W);
+      a[j % 2] += xj * va[j];
+      c[j % 2] += xj * vb[j];
+    }
+  }
+  float sa = hsum(a[0] + a[1]), sc = hsum(c[0] + c[1]);
+  for (int64_t k = b1 * QK; k < K; ++k) sa += x[k] * T::at(wa, k), sc += x[k] * T::at(wb, k);
+  *ya = sa, *yb = sc;
+}
+
+// One row of x (xp: in TraitsBF16Pairs' order, pairs_order) times bf16 weight rows [n0, n1) -> y[n0:n1]:
+// row n with row n + h, h = half the range (a task's rows: 16 KiB apart at K = 1024). On Zen 3 (AVX2
+// build, DRAM-cold [131072 x 1024] bf16, 2 threads, in turns): one row at a time 18.1-19.1 GB/s, fp32's
+// one-row kernel on the same bytes 19.5-21.6, two rows 8 / 16 rows apart with pairs 22.0 / 22.4; two
+// rows with the widening loads 19.3-20.0, pairs alone 17.5-18.4; two rows in one 4 KiB page 0.7x.
+inline void block_pairs(const float* xp, const Rows& W, int64_t K, int64_t n0, int64_t n1, float* y) {
+  const int64_t h = (n1 - n0) / 2;
+  for (int64_t n = n0; n < n0 + h; ++n) dot_two_rows<TraitsBF16Pairs>(xp, W.row(n), W.row(n + h), K, y + n, y + n + h);
+  if ((n1 - n0) % 2) dot_row_fmt<1, TraitsBF16Pairs>(xp, K, W.row(n1 - 1), 0, K, y + n1 - 1, 1, false);
+}
+
+// Whether one-row bf16 products take block_pairs (-DQWEN35_BF16_PAIRS=1: lm/kernels/build.py, where
+// measured: AMD Zen 3).
+#ifndef QWEN35_BF16_PAIRS
+#define QWEN35_BF16_PAIRS 0
+#endif
+inline bool pairs_path(const Rows& W, int64_t M) { return QWEN35_BF16_PAIRS && W.fmt == BF16 && M == 1; }
+
 // Rows [0, M) of x (M <= 8) times weight rows [n0, n1) of W (format T) -> y[:, n0:n1]; with 5-8
 // rows x is taken in chunks of K that stay in L1, as in `block`.
 template <class T>
@@ -210,6 +252,13 @@ inline void block(const float* x, int64_t M, int64_t ldx, const Rows& W, int64_t
     thread_local QuantizedX xq;
     quantize_x(x, M, ldx, K, xq);
     block_i8(xq, M, W, n0, n1, y, ldy);
+    return;
+  }
+  if (pairs_path(W, M)) {
+    thread_local std::vector<float> xp;
+    xp.resize(K);
+    pairs_order(x, K, xp.data());
+    block_pairs(xp.data(), W, K, n0, n1, y);
     return;
   }
   switch (W.fmt) {
@@ -339,10 +388,12 @@ inline void run_products(const std::vector<Product>& products) {
   std::vector<int64_t> first{0};  // first task of each product
   std::vector<std::vector<float>> xt(products.size());  // x transposed [K, 8] for the panel products
   std::vector<QuantizedX> xq(products.size());  // x in Q8_0 blocks for the int8-activation products
+  std::vector<std::vector<float>> xp(products.size());  // x in pairs order for the bf16 pairs products
   for (size_t i = 0; i < products.size(); ++i) {
     const Product& p = products[i];
     first.push_back(first.back() + (p.N + task_rows(p) - 1) / task_rows(p));
     if (int8_path(p.W)) quantize_x(p.x, p.M, p.ldx, p.K, xq[i]);
+    if (pairs_path(p.W, p.M)) xp[i].resize(p.K), pairs_order(p.x, p.K, xp[i].data());
     if (!p.by_panels()) continue;
     xt[i].assign(p.K * 8, 0.f);
     for (int64_t m = 0; m < p.M; ++m)
@@ -356,6 +407,8 @@ inline void run_products(const std::vector<Product>& products) {
       panel_block(xt[i].data(), p.M, p.panels, p.K, p.N, n0 / PANEL, (n1 + PANEL - 1) / PANEL, p.y, p.N);
     else if (int8_path(p.W))
       block_i8(xq[i], p.M, p.W, n0, n1, p.y, p.N);
+    else if (pairs_path(p.W, p.M))
+      block_pairs(xp[i].data(), p.W, p.K, n0, n1, p.y);
     else
       block(p.x, p.M, p.ldx, p.W, p.K, n0, n1, p.y, p.N);
   });
