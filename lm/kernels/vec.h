@@ -13,8 +13,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <vector>
 #include <cmath>
+#include <vector>
 
 #include "formats.h"
 
@@ -170,7 +170,7 @@ inline void dot_row_fmt(const float* x, int64_t ldx, const uint8_t* w, int64_t k
   }
 }
 
-// One row of x times two weight rows of format T at once: y[0] = x . wa, y[ldy_b] = x . wb, two chains
+// One row of x times two weight rows of format T at once: *ya = x . wa, *yb = x . wb, two chains
 // each. The rows a block apart in memory make two streams, which the hardware prefetchers of Zen 3
 // follow at fp32's byte rate where one bf16 stream does not (block_pairs).
 template <class T>
