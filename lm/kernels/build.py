@@ -116,10 +116,11 @@ def cflags(vendor: str | None = None, family: int | None = None, model: int | No
     family = cpu_family() if family is None else family
     model = cpu_model() if model is None else model
     prefetch = ["-DQWEN35_PREFETCH_ROWS=1"] if vendor == "GenuineIntel" else []
-    if vendor == "AuthenticAMD" and family >= 0x1A:  # Zen 5 on: the compact formats' L2 prefetch only
+    zen3 = vendor == "AuthenticAMD" and is_zen3(family, model)
+    if zen3 or (vendor == "AuthenticAMD" and family >= 0x1A):  # Zen 3, Zen 5 on: the compact formats' L2 prefetch
         prefetch.append("-DQWEN35_PREFETCH_L2=2")
-    if vendor == "AuthenticAMD" and is_zen3(family, model):  # the same, bf16 without
-        prefetch += ["-DQWEN35_PREFETCH_L2=2", "-DQWEN35_BF16_PREFETCH_L2=0", "-DQWEN35_BF16_PAIRS=1"]
+    if zen3:  # bf16 not prefetched, one-row bf16 products two rows at a time
+        prefetch += ["-DQWEN35_BF16_PREFETCH_L2=0", "-DQWEN35_BF16_PAIRS=1"]
     return [*CFLAGS, *ISA_FLAGS[isa()], *prefetch]
 
 

@@ -171,8 +171,8 @@ inline void dot_row_fmt(const float* x, int64_t ldx, const uint8_t* w, int64_t k
 }
 
 // One row of x times two weight rows of format T at once: *ya = x . wa, *yb = x . wb, two chains
-// each. The rows a block apart in memory make two streams, which the hardware prefetchers of Zen 3
-// follow at fp32's byte rate where one bf16 stream does not (block_pairs).
+// each. Rows in different pages make two streams, which the hardware prefetchers of Zen 3 follow at
+// fp32's byte rate where one bf16 stream does not (block_pairs).
 template <class T>
 inline void dot_two_rows(const float* x, const uint8_t* wa, const uint8_t* wb, int64_t K, float* ya, float* yb) {
   wvec a[2] = {}, c[2] = {};
