@@ -25,6 +25,8 @@ def attention_mask_for(cache: Cache, num_tokens: int) -> torch.Tensor | None:
         if bool((cache.lengths == start).all()):
             return None
         return (torch.arange(end, device=cache.lengths.device)[None, :] <= cache.lengths[:, None])[:, None, None]
+    if not cache.padded and (start == 0 or num_tokens == 1):
+        return None
     keys = cache.key_mask[:, :end]  # [B, L]
     if bool(keys.all()) and (start == 0 or num_tokens == 1):
         return None

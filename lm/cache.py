@@ -58,6 +58,7 @@ class Cache:
         self.length = 0  # positions written so far (shared by all rows; the longest row when ragged)
         self.lengths: torch.Tensor | None = None  # int64 [B] when ragged (see `ragged`)
         self.key_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.padded = False  # whether key_mask may mark a written position as padding (see begin)
         self.slots: dict[int, KVSlot | LinearSlot] = {}
         kv_shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
         conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
@@ -83,6 +84,7 @@ class Cache:
         self.max_len, self.length, self.lengths = max_len, length, None
         first = next(iter({**kv, **linear}.values()))[0]
         self.key_mask = torch.ones(first.shape[0], max_len, dtype=torch.bool, device=first.device)
+        self.padded = False
         slots = {i: KVSlot(self, k, v) for i, (k, v) in kv.items()}
         self.slots = dict(sorted({**slots, **{i: LinearSlot(*pair) for i, pair in linear.items()}}.items()))
         return self
@@ -116,6 +118,9 @@ class Cache:
             )
         real = True if attention_mask is None else attention_mask.bool()
         self.key_mask[:, self.length : end] = real
+        # once a row has padding, attention needs the key mask; until then a decode step (one token
+        # per row, all real) skips building it (attention_mask_for)
+        self.padded = self.padded or (attention_mask is not None and not bool(real.all()))
 
     def advance(self, num_tokens: int) -> None:
         if self.lengths is not None:

@@ -37,6 +37,7 @@ from .linear import Linear
 from .moe import SparseMoeBlock
 
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Cache -> DecodePlan or None (n/a)
+_step_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Cache -> its DecodePlan with ends set
 _said: set[str] = set()  # the reasons already said by _step_aside
 _NO_TENSOR, _NO_MASK = torch.empty(0), torch.empty(0, dtype=torch.bool)
 
@@ -63,17 +64,20 @@ def decode_logits(lm, input_ids: torch.Tensor, positions: torch.Tensor, cache: C
     """`lm` a `CausalLM`; input_ids [B, 1] tokens whose position the cache has reserved, positions
     [3, B, 1] their mRoPE positions. Returns the logits [B, 1, vocab] of one `DecodePlan.step`, or
     None when the fast path does not apply (the caller runs the model)."""
-    model = lm.model
-    plan = _plan(kernels._fusable(model.norm.weight), model, cache, input_ids.shape[0])
+    plan = _step_plans.get(cache)  # after the generation's first step: no look-ups, no checks
     if plan is None:
-        return None
-    if not plan.has_ends():  # once per generation, as the plan
-        head, rotary = lm.lm_head.weight, model.rotary_emb
-        plan.set_ends(model.embed_tokens.weight, rotary.inv_freq, rotary.axis, head)
-        if input_ids.shape[0] >= kernels.panel_rows() and (copy := kernels.panels(head)).numel():
-            plan.add_panels(head, copy)
+        model = lm.model
+        plan = _plan(kernels._fusable(model.norm.weight), model, cache, input_ids.shape[0])
+        if plan is None:
+            return None
+        if not plan.has_ends():  # once per generation, as the plan
+            head, rotary = lm.lm_head.weight, model.rotary_emb
+            plan.set_ends(model.embed_tokens.weight, rotary.inv_freq, rotary.axis, head)
+            if input_ids.shape[0] >= kernels.panel_rows() and (copy := kernels.panels(head)).numel():
+                plan.add_panels(head, copy)
+        _step_plans[cache] = plan
     keep, pos = _keep_and_pos(cache, None if cache.lengths is not None else attention_mask_for(cache, 1))
-    return plan.step(input_ids[:, 0].contiguous(), positions[:, :, 0], _states(cache), keep, pos)[:, None]
+    return plan.step(input_ids, positions, _states(cache), keep, pos)[:, None]
 
 
 def _plan(k, model, cache: Cache, rows: int):

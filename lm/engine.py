@@ -75,7 +75,7 @@ def stream_generate(
             next_pos = next_pos[keep]
             rows = [rows[i] for i in alive]
             tokens = [tokens[i] for i in alive]
-        x = torch.tensor(tokens, device=next_pos.device)[:, None]  # [B', 1]
+        x = torch.tensor([[token] for token in tokens], device=next_pos.device)  # [B', 1]
         logits = lm(x, positions=next_pos[None, :, None].expand(3, -1, 1), cache=cache)[:, -1]
         next_pos = next_pos + 1
 

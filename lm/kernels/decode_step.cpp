@@ -117,11 +117,14 @@ void DecodePlan::set_ends(at::Tensor embedding, at::Tensor inv_freq, at::Tensor 
 at::Tensor DecodePlan::step(at::Tensor ids, at::Tensor positions, std::vector<at::Tensor> states, at::Tensor keep,
                             at::Tensor pos) const {
   TORCH_CHECK(head_.defined(), "decode plan: step needs set_ends first");
-  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "step: ids must be int64 [B]");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && (ids.dim() == 1 || (ids.dim() == 2 && ids.size(1) == 1)),
+              "step: ids must be int64 [B] or [B, 1]");
+  ids = ids.reshape({-1}).contiguous();
   const int64_t B = ids.size(0), H = embedding_.size(1), vocab = embedding_.size(0), F = inv_freq_.numel();
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 2 && positions.size(0) == 3 &&
-                  positions.size(1) == B, "step: positions must be int64 [3, B]");
-  const auto p = positions.contiguous();
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.size(0) == 3 && positions.numel() == 3 * B &&
+                  (positions.dim() == 2 || (positions.dim() == 3 && positions.size(2) == 1)),
+              "step: positions must be int64 [3, B] or [3, B, 1]");
+  const auto p = positions.reshape({3, B}).contiguous();
   const int64_t *ip = ids.data_ptr<int64_t>(), *pp = p.data_ptr<int64_t>(), *ax = axis_.data_ptr<int64_t>();
   const Rows table = rows_of(embedding_, H, "embedding");
   auto x = at::empty({B, H}, inv_freq_.options());

@@ -33,6 +33,8 @@ at::Tensor attention_token(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor 
                            at::Tensor pos, at::Tensor keep, double scale);
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps, double offset);
 std::vector<at::Tensor> causal_conv(at::Tensor x, at::Tensor window, at::Tensor weight);
+// greedy sampling: the index of the first largest value of a float32 vector (the first NaN if any)
+int64_t argmax(at::Tensor x);
 
 // A whole decode step through the layer stack, one token per row (decode_step.cpp). lm/decode.py
 // adds the layers' weights once per generation, in layer order: each layer's mixer (add_deltanet or
@@ -66,8 +68,8 @@ class DecodePlan {
   // [B, max(pos) + 1] bool or empty (no mask). Returns the final-normed hidden states [B, hidden].
   at::Tensor run(at::Tensor x, std::vector<at::Tensor> states, at::Tensor cos, at::Tensor sin, at::Tensor keep,
                  at::Tensor pos) const;
-  // `run` between its ends (set_ends): ids [B] int64 the tokens, positions [3, B] int64 their mRoPE
-  // positions -> logits [B, vocab]: the embedding rows, cos / sin of the rotary angles (as
+  // `run` between its ends (set_ends): ids [B] (or [B, 1]) int64 the tokens, positions [3, B] (or
+  // [3, B, 1]) int64 their mRoPE positions -> logits [B, vocab]: the embedding rows, cos / sin of the rotary angles (as
   // lm/rotary.py), the layers, the head. One call instead of some 30 tensor operations in Python,
   // each of which runs cache-cold after the weight streams (~0.4 ms a step on the benchmark model).
   at::Tensor step(at::Tensor ids, at::Tensor positions, std::vector<at::Tensor> states, at::Tensor keep,

@@ -56,3 +56,24 @@ def test_prompt_longer_than_max_len_is_refused(checkpoints):
     cache = lm.make_cache(1, 8)
     with pytest.raises(CacheOverflowError, match="max_len=8"):
         lm(torch.ones(1, 9, dtype=torch.long), cache=cache)
+
+
+def test_key_mask_is_built_only_once_a_row_has_padding(checkpoints):
+    """attention_mask_for skips the key mask while no written position is padding (cache.padded),
+    and builds it from the first chunk with padding on, also for the decode steps after it."""
+    from lm.attention import attention_mask_for
+
+    _, path = checkpoints("moe_text")
+    lm = mm.load_model(path).lm
+    cache = lm.make_cache(2, 16)
+    cache.begin(torch.ones(2, 4, dtype=torch.long), 4)
+    cache.advance(4)
+    cache.begin(None, 1)
+    assert not cache.padded and attention_mask_for(cache, 1) is None
+    cache.advance(1)
+    cache.begin(torch.tensor([[1, 1], [0, 1]]), 2)  # row 1's first token here is padding
+    assert cache.padded
+    cache.advance(2)
+    cache.begin(None, 1)
+    mask = attention_mask_for(cache, 1)
+    assert mask is not None and mask[:, 0, 0].tolist() == [[True] * 8, [True] * 5 + [False, True, True]]

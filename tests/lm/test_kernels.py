@@ -302,3 +302,31 @@ def test_fused_causal_conv_equals_reference(monkeypatch, tokens):
     ours, reference = _both_paths(monkeypatch, lambda: causal_conv(x, window, weight))
     for a, b in zip(ours, reference):
         assert a.shape == b.shape and rel_err(a, b) < 1e-6
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_argmax_kernel_follows_numpy_across_threads_ties_and_nan(monkeypatch, threads):
+    """Greedy sampling's argmax (argmax.cpp): numpy's first largest, or its first NaN, for vectors
+    short (one thread, tails) and long (parts per thread; ties and NaNs across the parts' bounds)."""
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    k, before = kernels._kernels(), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(threads)
+        for n in (1, 7, 8, 9, 17, 1000, 1 << 15, 248_320):
+            x = torch.randint(-3, 3, (n,), generator=g).float()  # many ties
+            cases = [x, torch.randn(n, generator=g), torch.full((n,), float("-inf")), torch.zeros(n)]
+            for at in ({n - 1}, {0, n - 1}, {n // 2, n - 1}, {n // 3, n // 2}):
+                for value in (float("inf"), float("nan"), 3.0):
+                    y = x.clone()
+                    y[sorted(at)] = value
+                    cases.append(y)
+            z = torch.zeros(n)
+            z[n // 2:] = -0.0  # equal to 0.0: the first index wins
+            cases.append(z)
+            for y in cases:
+                assert k.argmax(y) == int(y.numpy().argmax()), (n, y[:4])
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="non-empty contiguous float32"):
+        k.argmax(torch.zeros(0))

@@ -13,7 +13,9 @@ def test_greedy_picks_argmax_per_row():
     assert sampler(logits, [0, 1], [[], []]) == [1, 0]
 
 
-def test_argmax_follows_torch_on_ties_nan_and_infinities():
+@pytest.mark.parametrize("cpu_kernels", ["0", "1"])  # numpy's argmax, the kernel's
+def test_argmax_follows_torch_on_ties_nan_and_infinities(monkeypatch, cpu_kernels):
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", cpu_kernels)
     cases = [[0.0, 2.0, 2.0, 1.0], [float("-inf")] * 3, [1.0, float("nan"), 3.0, float("nan")],
              [float("inf"), 1.0, float("inf")], torch.randn(248320).tolist()]
     for values in cases:
