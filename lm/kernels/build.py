@@ -109,8 +109,8 @@ def is_zen3(family: int, model: int) -> bool:
 def cflags(vendor: str | None = None, family: int | None = None, model: int | None = None) -> list[str]:
     """The compiler flags of the build QWEN35_CPU_ISA asks for, on this CPU (or `vendor`'s / `family`'s
     / `model`'s): Intel CPUs prefetch one-row products in software, others do not; Intel, AMD Zen 3 and
-    Zen 5 on (family 0x1A+) prefetch the compact formats' memory-bound products into L2, Zen 3 not
-    bf16's, and Zen 3 streams one-row bf16 products two rows at a time (measured: formats.h,
+    Zen 5 on (family 0x1A+) prefetch the compact formats' memory-bound products into L2 (Zen 3 with
+    prefetchnta, and not bf16's), and Zen 3 streams one-row bf16 products two rows at a time (measured: formats.h,
     prefetch_ahead and prefetch_block; vec.h, block_pairs)."""
     vendor = cpu_vendor() if vendor is None else vendor
     family = cpu_family() if family is None else family
@@ -119,8 +119,8 @@ def cflags(vendor: str | None = None, family: int | None = None, model: int | No
     zen3 = vendor == "AuthenticAMD" and is_zen3(family, model)
     if zen3 or (vendor == "AuthenticAMD" and family >= 0x1A):  # Zen 3, Zen 5 on: the compact formats' L2 prefetch
         prefetch.append("-DQWEN35_PREFETCH_L2=2")
-    if zen3:  # bf16 not prefetched, one-row bf16 products two rows at a time
-        prefetch += ["-DQWEN35_BF16_PREFETCH_L2=0", "-DQWEN35_BF16_PAIRS=1"]
+    if zen3:  # that prefetch as prefetchnta, bf16 not prefetched, one-row bf16 products two rows at a time
+        prefetch += ["-DQWEN35_PREFETCH_L2_HINT=0", "-DQWEN35_BF16_PREFETCH_L2=0", "-DQWEN35_BF16_PAIRS=1"]
     return [*CFLAGS, *ISA_FLAGS[isa()], *prefetch]
 
 

@@ -245,15 +245,28 @@ struct TraitsQ4_0 {
 // bf16 left out): 48 decode-shaped one-row products (bench.products' shapes), DRAM-cold, in turns
 // against no prefetch: Q4_0 1.10-1.16x (one core 1.21-1.28x), Q8_0 1.07-1.08x (one core 1.11-1.13x)
 // at 2, 4 or 8 KiB alike; bf16 slower at every distance (QWEN35_BF16_PREFETCH_L2 above).
+//
+// The rule's hint: prefetcht1 (locality 2), except on Zen 3, where build.py passes
+// -DQWEN35_PREFETCH_L2_HINT=0, prefetchnta at the same distance: whole decode steps (bench.ab, in
+// turns against prefetcht1, 8-20 rounds a run): bench batch 1 int4 1.002-1.030x (four runs), int8
+// 1.009-1.040x (three), batch 2 int4 1.026x, int8 1.029x; dense batch 1 int4 1.002-1.006x, int8
+// 1.017-1.035x (bf16, not prefetched on Zen 3, 0.987x: the noise).
+// (Zen's prefetchnta fills L1 and keeps the lines out of L2 and L3 on eviction, so the weights that
+// stream through once do not evict the DeltaNet states, KV cache and the interpreter's data from
+// L3; on Sapphire Rapids prefetchnta as the distance prefetch ran 0.68-0.74x, and Zen 5 is
+// unmeasured: both keep prefetcht1.)
 #ifndef QWEN35_PREFETCH_L2
 #define QWEN35_PREFETCH_L2 (QWEN35_PREFETCH_ROWS == 1 ? 8 : 0)  // Intel: every product size (8 rows at most)
+#endif
+#ifndef QWEN35_PREFETCH_L2_HINT
+#define QWEN35_PREFETCH_L2_HINT 2
 #endif
 constexpr int PREFETCH_L2_ROWS = QWEN35_PREFETCH_L2;  // the rule's products have at most this many rows
 
 template <class T, int R>
 inline void prefetch_block(const void* p) {
   if constexpr (R <= PREFETCH_L2_ROWS && R <= T::streamed_rows) {
-    if constexpr (T::prefetch_l2_bytes > 0) __builtin_prefetch(static_cast<const char*>(p) + T::prefetch_l2_bytes, 0, 2);
+    if constexpr (T::prefetch_l2_bytes > 0) __builtin_prefetch(static_cast<const char*>(p) + T::prefetch_l2_bytes, 0, QWEN35_PREFETCH_L2_HINT);
   } else
     prefetch_ahead<R>(p, PREFETCH_BYTES);
 }
