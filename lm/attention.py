@@ -25,10 +25,11 @@ def attention_mask_for(cache: Cache, num_tokens: int) -> torch.Tensor | None:
         if bool((cache.lengths == start).all()):
             return None
         return (torch.arange(end, device=cache.lengths.device)[None, :] <= cache.lengths[:, None])[:, None, None]
-    if not cache.padded and (start == 0 or num_tokens == 1):
+    plain = start == 0 or num_tokens == 1  # causal alone suffices when no key is padding
+    if plain and not cache.padded:  # no written position is padding: spares the pass over the mask
         return None
     keys = cache.key_mask[:, :end]  # [B, L]
-    if bool(keys.all()) and (start == 0 or num_tokens == 1):
+    if plain and bool(keys.all()):
         return None
     q_pos = torch.arange(start, end, device=keys.device)[:, None]  # [T, 1]
     k_pos = torch.arange(end, device=keys.device)[None, :]  # [1, L]

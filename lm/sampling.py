@@ -67,10 +67,7 @@ class Sampler:
         picks = []
         for i, row in enumerate(rows):
             p = self.params[row]
-            scores = logits[i]
-            if scores.dtype != torch.float32:
-                scores = scores.float()
-            scores = _penalise(scores, p, self.prompts[row], outputs[row])
+            scores = _penalise(logits[i].float(), p, self.prompts[row], outputs[row])
             if p.greedy:
                 picks.append(argmax(scores))
             else:

@@ -19,7 +19,6 @@
 #include "vec.h"
 
 #include <atomic>
-#include <memory>
 #include <numeric>
 #include <thread>
 
@@ -141,8 +140,7 @@ struct Routing {
 struct Workspace {
   std::vector<float> logits, gate_logit, shared_weight, xs, acts, partial;
   std::vector<int64_t> tokens;
-  std::unique_ptr<std::atomic<int64_t>[]> ready;  // per expert (shared first): finished gate/up pieces
-  int64_t ready_size = 0;
+  std::vector<std::atomic<int64_t>> ready;  // per expert (shared first): finished gate/up pieces
   std::vector<Expert> experts;  // the shared expert, then the selected ones (written by the routing)
   QuantizedX xq_shared;
   Routing routing;
@@ -173,8 +171,8 @@ at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::T
   ws.partial.assign(T * N * H, 0.f);
   ws.tokens.resize(N);
   std::iota(ws.tokens.begin(), ws.tokens.end(), 0);
-  if (ws.ready_size < 1 + S) ws.ready.reset(new std::atomic<int64_t>[1 + S]), ws.ready_size = 1 + S;
-  std::atomic<int64_t>* ready = ws.ready.get();
+  if (int64_t(ws.ready.size()) < 1 + S) ws.ready = std::vector<std::atomic<int64_t>>(1 + S);  // atomics: no resize
+  std::atomic<int64_t>* ready = ws.ready.data();
   for (int64_t j = 0; j < 1 + S; ++j) ready[j].store(0);
   ws.experts.resize(1 + S);
   std::vector<Expert>& experts = ws.experts;
