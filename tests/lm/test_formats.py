@@ -117,6 +117,21 @@ def test_products_with_int8_activations(kernels_on, fmt, rows):
     assert rel_err(y, x.double() @ wf.T) > 1e-6  # the activations were really rounded
 
 
+@pytest.mark.parametrize("fmt", [INT8, INT4])
+def test_int8_dot_products_of_one_row_equal_those_of_more_rows_bit_for_bit(kernels_on, fmt):
+    """One row takes its own group kernel (on Zen 4's AVX-512 build, 512-bit registers: int8_dot.h,
+    dot_group_q4_0_zmm); its integer dot products and float scaling are those of the kernel of 2-4
+    rows, so each row's y is the same bit for bit."""
+    if not kernels._kernels().INT8_DOT:
+        pytest.skip("the int8 dot products are built for AVX2 only")
+    kernels.set_int8_activations(True)
+    q = fmt.quantize(_weights(seed=2))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3))
+    both = kernels.linear(x, q)
+    for r in range(3):
+        assert torch.equal(kernels.linear(x[r : r + 1], q), both[r : r + 1])
+
+
 @pytest.mark.parametrize("fmt", [BF16, INT8, INT4])
 def test_grouped_and_moe_decode_kernels_with_compact_experts(kernels_on, fmt):
     g = torch.Generator().manual_seed(0)
