@@ -239,7 +239,8 @@ struct TraitsQ4_0 {
 // 0x1A and later), against no rule (one-row float32 products stay unprefetched there), whole batch-1
 // steps (bench.ab, noisy): bench bf16 1.00-1.07x, int8 1.06-1.08x, int4 1.00-1.07x; dense bf16
 // 1.12-1.19x, int8 1.11x, int4 1.01-1.08x. With the rule up to 8 rows, batch-8 int8 steps ran 0.92x,
-// hence 2. Zen 4 (measured a session before this rule, AVX2 build) keeps no rule.
+// hence 2. Zen 4 keeps no rule: against none, its AVX-512 build's one-row products ran 0.89-1.04x
+// with it (prefetcht1) and 0.85-1.00x as prefetchnta (bench.ab --products).
 //
 // AMD Zen 3 (EPYC family 25 model 1, 2 cores, AVX2, probe 20-28 GB/s; build.py passes the same rule,
 // bf16 left out): 48 decode-shaped one-row products (bench.products' shapes), DRAM-cold, in turns
