@@ -226,44 +226,42 @@ inline __m512i x_pair(__m512i x8, int i) {
 // The int32 sums of a register's two halves (each lane j: row j's two chunks).
 inline __m256i halves(__m512i s) { return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti32x8_epi32(s, 1)); }
 
-inline void dot_group_q4_0_zmm(const QuantizedX& x, int64_t r0, const uint8_t* group, float* y) {
-  const int64_t K = x.K, nb = K / QK;
-  const __m512i m4 = _mm512_set1_epi8(15);
+// The loop both formats share: per block, the format's int32 dots of the 8 rows (`dot`, from the
+// block's quant bytes, x's 32 quants and x's sum8), scaled as in the 256-bit kernels.
+template <class T, class Dot>
+inline void dot_group_zmm(const QuantizedX& x, int64_t r0, const uint8_t* group, float* y, Dot dot) {
+  const int64_t nb = x.K / QK;
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m256 dw;
-    const uint8_t* o = group_block<TraitsQ4_0, 1>(group, b, &dw);
+    const uint8_t* o = group_block<T, 1>(group, b, &dw);
     const int64_t i = r0 * nb + b;
     const __m512i x8 = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i * QK)));
-    const __m512i q0 = _mm512_loadu_si512(o + 16), q1 = _mm512_loadu_si512(o + 80);  // chunks 0-1, 2-3
-    __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(q0, m4), x_pair(x8, 0));
-    __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(q1, m4), x_pair(x8, 2));
-    s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4), x_pair(x8, 4));  // high nibbles:
-    s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4), x_pair(x8, 6));  // quants 16-31
-    const __m256i dot = _mm256_sub_epi32(halves(_mm512_add_epi32(s0, s1)), _mm256_set1_epi32(x.sum8[i]));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(x.d[i])), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot(o + 16, x8, x.sum8[i])), _mm256_mul_ps(dw, _mm256_set1_ps(x.d[i])), acc);
   }
   _mm256_storeu_ps(y, acc);
 }
 
+inline void dot_group_q4_0_zmm(const QuantizedX& x, int64_t r0, const uint8_t* group, float* y) {
+  dot_group_zmm<TraitsQ4_0>(x, r0, group, y, [](const uint8_t* q, __m512i x8, int32_t sum8) {
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const __m512i q0 = _mm512_loadu_si512(q), q1 = _mm512_loadu_si512(q + 64);  // chunks 0-1, 2-3
+    __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(q0, m4), x_pair(x8, 0));
+    __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(q1, m4), x_pair(x8, 2));
+    s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4), x_pair(x8, 4));  // high nibbles:
+    s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4), x_pair(x8, 6));  // quants 16-31
+    return _mm256_sub_epi32(halves(_mm512_add_epi32(s0, s1)), _mm256_set1_epi32(sum8));
+  });
+}
+
 inline void dot_group_q8_0_zmm(const QuantizedX& x, int64_t r0, const uint8_t* group, float* y) {
-  const int64_t K = x.K, nb = K / QK;
-  const __m512i bias = _mm512_set1_epi8(char(0x80));
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256 dw;
-    const uint8_t* o = group_block<TraitsQ8_0, 1>(group, b, &dw);
-    const int64_t i = r0 * nb + b;
-    const __m512i x8 = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i * QK)));
+  dot_group_zmm<TraitsQ8_0>(x, r0, group, y, [](const uint8_t* q, __m512i x8, int32_t sum8) {
+    const __m512i bias = _mm512_set1_epi8(char(0x80));
     __m512i s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-    for (int c = 0; c < 8; c += 2) {  // w + 128, unsigned, against x; 128 sum(q) taken off below
-      const __m512i q = _mm512_xor_si512(_mm512_loadu_si512(o + 16 + c * 32), bias);
-      s[c / 2 % 2] = _mm512_dpbusd_epi32(s[c / 2 % 2], q, x_pair(x8, c));
-    }
-    const __m256i dot = _mm256_sub_epi32(halves(_mm512_add_epi32(s[0], s[1])), _mm256_set1_epi32(16 * x.sum8[i]));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(x.d[i])), acc);
-  }
-  _mm256_storeu_ps(y, acc);
+    for (int c = 0; c < 8; c += 2)  // w + 128, unsigned, against x; 128 sum(q) taken off below
+      s[c / 2 % 2] = _mm512_dpbusd_epi32(s[c / 2 % 2], _mm512_xor_si512(_mm512_loadu_si512(q + c * 32), bias), x_pair(x8, c));
+    return _mm256_sub_epi32(halves(_mm512_add_epi32(s[0], s[1])), _mm256_set1_epi32(16 * sum8));
+  });
 }
 #else
 #define QWEN35_ZMM_GROUPS 0
