@@ -115,8 +115,9 @@ def cflags(vendor: str | None = None, family: int | None = None, model: int | No
     """The compiler flags of the build QWEN35_CPU_ISA asks for, on this CPU (or `vendor`'s / `family`'s
     / `model`'s): Intel CPUs prefetch one-row products in software, others do not; Intel, AMD Zen 3 and
     Zen 5 on (family 0x1A+) prefetch the compact formats' memory-bound products into L2 (Zen 3 with
-    prefetchnta, and not bf16's), Zen 3 streams one-row bf16 products two rows at a time, and Zen 4's
-    AVX-512 build takes one-row Q8_0 / Q4_0 products in 512-bit registers (measured: formats.h,
+    prefetchnta, and not bf16's), Zen 3 streams one-row bf16 products two rows at a time as pairs, and
+    Zen 4's AVX-512 build takes one-row Q8_0 / Q4_0 products in 512-bit registers and one-row bf16
+    products as pairs, one row at a time (measured: formats.h,
     prefetch_ahead and prefetch_block; vec.h, block_pairs; int8_dot.h, dot_group_q4_0_zmm)."""
     vendor = cpu_vendor() if vendor is None else vendor
     family = cpu_family() if family is None else family
@@ -127,8 +128,9 @@ def cflags(vendor: str | None = None, family: int | None = None, model: int | No
         prefetch.append("-DQWEN35_PREFETCH_L2=2")
     if zen3:  # that prefetch as prefetchnta, bf16 not prefetched, one-row bf16 products two rows at a time
         prefetch += ["-DQWEN35_PREFETCH_L2_HINT=0", "-DQWEN35_BF16_PREFETCH_L2=0", "-DQWEN35_BF16_PAIRS=1"]
-    if vendor == "AuthenticAMD" and is_zen4(family, model) and isa() == "native":  # one-row Q8_0 / Q4_0 in zmm
-        prefetch.append("-DQWEN35_GROUP_ZMM=1")
+    if vendor == "AuthenticAMD" and is_zen4(family, model) and isa() == "native":
+        # one-row Q8_0 / Q4_0 in zmm; one-row bf16 products as pairs, one row at a time
+        prefetch += ["-DQWEN35_GROUP_ZMM=1", "-DQWEN35_BF16_PAIRS=1", "-DQWEN35_BF16_PAIR_ROWS=1"]
     return [*CFLAGS, *ISA_FLAGS[isa()], *prefetch]
 
 

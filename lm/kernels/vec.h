@@ -194,19 +194,30 @@ inline void dot_two_rows(const float* x, const uint8_t* wa, const uint8_t* wb, i
   *ya = sa, *yb = sc;
 }
 
-// One row of x (xp: in TraitsBF16Pairs' order, pairs_order) times bf16 weight rows [n0, n1) -> y[n0:n1]:
-// row n with row n + h, h = half the range (a task's rows: 16 KiB apart at K = 1024). On Zen 3 (AVX2
-// build, DRAM-cold [131072 x 1024] bf16, 2 threads, in turns): one row at a time 18.1-19.1 GB/s, fp32's
-// one-row kernel on the same bytes 19.5-21.6, two rows 8 / 16 rows apart with pairs 22.0 / 22.4; two
-// rows with the widening loads 19.3-20.0, pairs alone 17.5-18.4; two rows in one 4 KiB page 0.7x.
+// How many weight rows a one-row bf16 pairs product streams at once (QWEN35_BF16_PAIR_ROWS, with
+// QWEN35_BF16_PAIRS; lm/kernels/build.py): 2 on Zen 3, 1 on Zen 4's AVX-512 build.
+#ifndef QWEN35_BF16_PAIR_ROWS
+#define QWEN35_BF16_PAIR_ROWS 2
+#endif
+
+// One row of x (xp: in TraitsBF16Pairs' order, pairs_order) times bf16 weight rows [n0, n1) -> y[n0:n1].
+// Two rows at a time (QWEN35_BF16_PAIR_ROWS 2): row n with row n + h, h = half the range (a task's
+// rows: 16 KiB apart at K = 1024). On Zen 3 (AVX2 build, DRAM-cold [131072 x 1024] bf16, 2 threads,
+// in turns): one row at a time 18.1-19.1 GB/s, fp32's one-row kernel on the same bytes 19.5-21.6, two
+// rows 8 / 16 rows apart with pairs 22.0 / 22.4; two rows with the widening loads 19.3-20.0, pairs
+// alone 17.5-18.4; two rows in one 4 KiB page 0.7x.
+// One row at a time (1): on Zen 4 (AVX-512 build, DRAM-cold [131072 x 2048] and [262144 x 1024], one
+// thread, in turns) the widening loads streamed 17-24 GB/s, pairs 25-27.5, fp32's kernel 24-28 on
+// the same bytes (a pair is one load, a shift and an and per 32 weights, the widening loads two
+// loads and two shifts); two rows at once 12-13 (two streams a core run at half speed there).
 inline void block_pairs(const float* xp, const Rows& W, int64_t K, int64_t n0, int64_t n1, float* y) {
-  const int64_t h = (n1 - n0) / 2;
+  const int64_t h = QWEN35_BF16_PAIR_ROWS == 2 ? (n1 - n0) / 2 : 0;
   for (int64_t n = n0; n < n0 + h; ++n) dot_two_rows<TraitsBF16Pairs>(xp, W.row(n), W.row(n + h), K, y + n, y + n + h);
-  if ((n1 - n0) % 2) dot_row_fmt<1, TraitsBF16Pairs>(xp, K, W.row(n1 - 1), 0, K, y + n1 - 1, 1, false);
+  for (int64_t n = n0 + 2 * h; n < n1; ++n) dot_row_fmt<1, TraitsBF16Pairs>(xp, K, W.row(n), 0, K, y + n, 1, false);
 }
 
 // Whether one-row bf16 products take block_pairs (-DQWEN35_BF16_PAIRS=1: lm/kernels/build.py, where
-// measured: AMD Zen 3).
+// measured: AMD Zen 3, Zen 4's AVX-512 build).
 #ifndef QWEN35_BF16_PAIRS
 #define QWEN35_BF16_PAIRS 0
 #endif

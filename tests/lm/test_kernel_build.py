@@ -50,8 +50,8 @@ def test_the_avx2_build_of_an_avx512_cpu_has_its_own_name_and_flags(monkeypatch)
     monkeypatch.delenv("QWEN35_CPU_ISA", raising=False)
     avx512 = AVX2 | {"avx512f", "avx512bw", "avx_vnni"}
     native = extension_name(avx512)
-    assert build.cflags("AuthenticAMD", 25, 0x11) == [*build.CFLAGS, "-DQWEN35_GROUP_ZMM=1"]  # Zen 4: int8_dot.h
-    assert build.cflags("AuthenticAMD", 25, 0x61) == [*build.CFLAGS, "-DQWEN35_GROUP_ZMM=1"]
+    zen4 = [*build.CFLAGS, "-DQWEN35_GROUP_ZMM=1", "-DQWEN35_BF16_PAIRS=1", "-DQWEN35_BF16_PAIR_ROWS=1"]  # int8_dot.h, vec.h
+    assert build.cflags("AuthenticAMD", 25, 0x11) == zen4 and build.cflags("AuthenticAMD", 25, 0x61) == zen4
     zen3 = [*build.CFLAGS, "-DQWEN35_PREFETCH_L2=2", "-DQWEN35_PREFETCH_L2_HINT=0", "-DQWEN35_BF16_PREFETCH_L2=0",
             "-DQWEN35_BF16_PAIRS=1"]  # formats.h, vec.h
     assert build.cflags("AuthenticAMD", 25, 0x01) == zen3 and build.cflags("AuthenticAMD", 25, 0x21) == zen3
