@@ -84,7 +84,7 @@ def allocate(model: VLModel, formats: dict, device: str | torch.device,
     model = model.to_empty(device=device)
     advise_huge_pages(model.parameters())  # before the first write: decode streams these pages
     if torch.device(device).type == "cpu":
-        gather_into_huge_pages(model.lm.parameters())  # the smaller ones, into one buffer of them
+        gather_into_huge_pages(model.lm.parameters())  # all but the tiny ones, into one buffer of them
         release_large_buffers(sum(p.numel() * p.element_size() for p in model.parameters()))
     model.lm.init_buffers()
     if tied:

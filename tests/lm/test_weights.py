@@ -153,17 +153,19 @@ def test_huge_page_advice_marks_whole_pages_inside_large_tensors():
     assert marked == whole_pages * HUGE_PAGE  # only the big tensor, only whole pages inside it
 
 
-def test_mid_size_parameters_are_gathered_into_one_huge_page_buffer():
+def test_parameters_from_64_kib_up_are_gathered_into_one_huge_page_buffer():
     from lm.hugepages import HUGE_PAGE, gather_into_huge_pages
 
-    tiny, mid, mid2, big = (torch.nn.Parameter(torch.empty(n)) for n in (100, 300_000, 70_000, 2 * HUGE_PAGE // 4))
-    storages = {p: p.untyped_storage().data_ptr() for p in (tiny, big)}
+    tiny, mid, mid2, big = (torch.nn.Parameter(torch.empty(n)) for n in (100, 300_000, 70_000, 3 * HUGE_PAGE // 4))
+    storage = tiny.untyped_storage().data_ptr()
     moved = gather_into_huge_pages([tiny, mid, mid2, big])
-    assert moved == (300_000 + 70_000) * 4
-    assert mid.untyped_storage().data_ptr() == mid2.untyped_storage().data_ptr()  # one buffer
-    assert mid.data_ptr() % HUGE_PAGE == 0 and mid2.data_ptr() % 4096 == 0
-    assert mid2.data_ptr() >= mid.data_ptr() + 300_000 * 4  # no overlap
-    assert all(p.untyped_storage().data_ptr() == ptr for p, ptr in storages.items())  # the rest stay
+    assert moved == (300_000 + 70_000) * 4 + 3 * HUGE_PAGE
+    assert len({p.untyped_storage().data_ptr() for p in (mid, mid2, big)}) == 1  # one buffer
+    assert mid.data_ptr() % HUGE_PAGE == 0 and mid2.data_ptr() % 4096 == 0 and big.data_ptr() % 4096 == 0
+    assert mid2.data_ptr() >= mid.data_ptr() + 300_000 * 4 and big.data_ptr() >= mid2.data_ptr() + 70_000 * 4
+    assert tiny.untyped_storage().data_ptr() == storage  # below 64 KiB: stays
+    upto = [torch.nn.Parameter(torch.empty(n)) for n in (300_000, 3 * HUGE_PAGE // 4)]
+    assert gather_into_huge_pages(upto, high=2 * HUGE_PAGE) == 300_000 * 4  # `high`: the big one stays
     assert mid.shape == (300_000,) and mid.dtype == torch.float32
     mid.data.fill_(1.0), mid2.data.fill_(2.0)
     assert float(mid.data.sum()) == 300_000 and float(mid2.data.sum()) == 140_000
