@@ -16,13 +16,16 @@ Parts (the large weights, streamed by every decode step):
     lm_head        the LM head
     embed          the embedding table: fp32 or bf16 only (rows are gathered, not streamed); with an
                    int8/int4 base it stays bf16
+    router         the MoE router (mlp.gate): fp32 or bf16 only; "auto" (bf16 for a bf16 checkpoint:
+                   lossless) under every base but fp32 and bf16, which store it as they say. Each
+                   decode step streams it whole (Qwen3.5-35B-A3B: 2 MiB a layer in float32)
     vision         the vision tower's matrices: fp32 or bf16 only (the tower is compute-bound and
                    always computes in float32; a bf16 matrix is converted where it is used, which
                    costs a few percent of the tower's time and halves its memory). "auto" means bf16
                    where the checkpoint is bf16 (lossless), else fp32; it is the default under a
                    bf16 / int8 / int4 base, while the "auto" and "fp32" bases keep the tower fp32
-Everything else (norms, the conv, A_log, dt_bias, the router, the shared-expert gate, DeltaNet's
-small in_proj_a/b) stays in the compute dtype, float32 on CPU, converted exactly from bf16.
+Everything else (norms, the conv, A_log, dt_bias, the shared-expert gate, DeltaNet's small
+in_proj_a/b) stays in the compute dtype, float32 on CPU, converted exactly from bf16.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ import torch
 
 from . import BF16, FORMATS, FP32, Format
 
-PARTS = ("experts", "shared_expert", "attention", "deltanet", "mlp", "lm_head", "embed", "vision")
-_FLOAT_ONLY = ("embed", "vision")  # parts that take no block format
+PARTS = ("experts", "shared_expert", "attention", "deltanet", "mlp", "lm_head", "embed", "vision", "router")
+_FLOAT_ONLY = ("embed", "vision", "router")  # parts that take no block format
 CHOICES = ("auto", "fp32", "bf16", "int8", "int4")
 _PART_OF = [
     (re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$"), "experts"),
@@ -45,6 +48,7 @@ _PART_OF = [
     (re.compile(r"\.mlp\.(gate|up|down)_proj\.weight$"), "mlp"),
     (re.compile(r"^lm_head\.weight$"), "lm_head"),
     (re.compile(r"\.embed_tokens\.weight$"), "embed"),
+    (re.compile(r"\.mlp\.gate\.weight$"), "router"),
 ]
 
 
@@ -68,7 +72,7 @@ def parse(spec: str) -> dict[str, str]:
         raise ValueError(f"unknown weights format {base!r}: choose one of {', '.join(CHOICES)}")
     parts = {p: base for p in PARTS}
     if base in ("int8", "int4"):
-        parts["embed"] = "auto"
+        parts["embed"] = parts["router"] = "auto"
     parts["vision"] = "fp32" if base in ("auto", "fp32") else "auto"
     for item in items:
         part, _, fmt = item.partition("=")

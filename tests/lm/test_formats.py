@@ -180,13 +180,17 @@ def test_weights_specs():
     parts = policy.parse("int4,attention=int8,embed=fp32")
     assert parts["attention"] == "int8" and parts["deltanet"] == "int4" and parts["embed"] == "fp32"
     assert policy.parse("experts=int4")["lm_head"] == "auto"
+    assert policy.parse("int4")["router"] == "auto" and policy.parse("fp32")["router"] == "fp32"
+    assert policy.parse("bf16")["router"] == "bf16" and policy.part_of("model.layers.0.mlp.gate.weight") == "router"
+    assert policy.part_of("model.layers.0.mlp.gate_proj.weight") == "mlp"  # a dense MLP's gate is no router
     assert policy.parse("auto")["vision"] == "fp32" and policy.parse("fp32")["vision"] == "fp32"
     assert policy.parse("int4")["vision"] == "auto" and policy.parse("bf16,vision=fp32")["vision"] == "fp32"
     assert policy.vision_dtype("int4", torch.bfloat16) == torch.bfloat16  # lossless on a bf16 checkpoint
     assert policy.vision_dtype("int4", torch.float32) == torch.float32
     assert policy.vision_dtype("vision=bf16", torch.float32) == torch.bfloat16
     for bad, match in [("int3", "unknown weights format"), ("int4,heads=int8", "unknown weights part"),
-                       ("int8,embed=int4", "embed"), ("int8,vision=int8", "vision"), ("", "weights must be")]:
+                       ("int8,embed=int4", "embed"), ("int8,vision=int8", "vision"), ("int4,router=int4", "router"),
+                       ("", "weights must be")]:
         with pytest.raises(ValueError, match=match):
             policy.parse(bad)
 
@@ -226,6 +230,9 @@ def test_bf16_storage_equals_fp32_on_a_bf16_checkpoint(tmp_path, kind, monkeypat
     monkeypatch.setattr(kernels, "MIN_WEIGHT_ELEMENTS", 0)
     fp32, auto = mm.load_model(path, weights="fp32"), mm.load_model(path)
     assert auto.lm.lm_head.weight.dtype == torch.bfloat16 and fp32.lm.lm_head.weight.dtype == torch.float32
+    if kind.startswith("moe"):  # the router too: decode (moe_decode) and prefill read it in bf16
+        routers = [(a.mlp.gate.weight, f.mlp.gate.weight) for a, f in zip(auto.lm.model.layers, fp32.lm.model.layers)]
+        assert all(a.dtype == torch.bfloat16 and f.dtype == torch.float32 and torch.equal(a.float(), f) for a, f in routers)
     ids, mask = _batch(3)
     assert rel_err(auto(ids), fp32(ids)) <= 1e-5
     assert rel_err(_decode_logits(auto, ids, mask, 4), _decode_logits(fp32, ids, mask, 4)) <= 1e-5
