@@ -10,8 +10,8 @@ the same tensors, in registers):
     int8   uint8 [..., N, K/32*34], GGUF Q8_0    8.5              w = d q, fp16 d per 32 weights
     int4   uint8 [..., N, K/32*18], GGUF Q4_0    4.5              w = d (q - 8)
 
-int8 and int4 keep GGUF's blocks with the rows regrouped by 16 (blocks.py), so their weights need a
-multiple of 16 rows; the policy (policy.py) keeps any other weight in bf16 and says so.
+int8 and int4 keep GGUF's blocks with the rows regrouped by 8 (blocks.py), so their weights need a
+multiple of 8 rows; the policy (policy.py) keeps any other weight in bf16 and says so.
 
 The format of a tensor follows from its dtype and, for uint8, from its row size relative to K, so a
 layer holds its weight as before and never names a format: `to_float(w, k)` gives the float32 matrix
@@ -38,7 +38,7 @@ class Format:
     block_bytes: int  # storage elements per block
     quantize: Callable[[torch.Tensor], torch.Tensor]  # float [..., K] -> storage [..., row]
     dequantize: Callable[[torch.Tensor, int], torch.Tensor]  # storage [..., row], K -> float32 [..., K]
-    rows: int = 1  # rows stored together: a weight's rows must be a multiple (int8, int4: 16, blocks.py)
+    rows: int = 1  # rows stored together: a weight's rows must be a multiple (int8, int4: 8, blocks.py)
 
     @property
     def blocked(self) -> bool:

@@ -8,19 +8,14 @@ scale d (2 bytes, little-endian) followed by the quants:
                                  w = d * (q - 8)    18 bytes per 32 weights (4.5 bits per weight)
 d * q is exact in float32 (11 + 8 significant bits), so dequantizing loses nothing further.
 
-Q8_0 and Q4_0 rows are stored in groups of 16 (`ROW_GROUP`; the rows of a weight must be a
-multiple of 16): block b of a group is the 16 rows' fp16 scales (32 bytes), then chunks of 64
-bytes, chunk c holding quant bytes 4c..4c+3 of row 0, then of row 1, ... row 15 (8 chunks for Q8_0,
-4 for Q4_0: 544 / 288 bytes, as 16 rows' blocks take). The bytes are GGUF's, regrouped
-(`interleave` / `deinterleave`). A decode product takes one block of a group with its x block in a
-few instructions and no sum across a register per row: one 512-bit register holds one chunk of all
-16 rows, multiplied by x's 4 quants broadcast from memory (AVX-512 VNNI); AVX2 takes each chunk as
-two 256-bit halves of 8 rows (the layout llama.cpp repacks Q4_0 into for AVX2, 8 rows; the
-gain of that layout over plain rows: bench/q4_layout.cpp, one AVX2 core 13-17 -> 31-38 G weights/s
-for Q4_0, for Q8_0 in cache 23 -> 39). 16 rows rather than 8: on AVX-512 the 8-row layout put two
-chunks in one register and needed a permute of x per chunk pair and a sum of the two halves per
-block; one Zen 4 core ran Q4_0 products of an L2-resident weight at 62 G weights/s that way and at
-85-97 with 16 rows (bench/q4_layout.cpp).
+Q8_0 and Q4_0 rows are stored in groups of 8 (`ROW_GROUP`; the rows of a weight must be a multiple
+of 8): block b of a group is the 8 rows' fp16 scales (16 bytes), then chunks of 32 bytes, chunk c
+holding quant bytes 4c..4c+3 of row 0, then of row 1, ... row 7 (8 chunks for Q8_0, 4 for Q4_0:
+272 / 144 bytes, as 8 rows' blocks take). The bytes are GGUF's, regrouped (`interleave8` /
+`deinterleave8`), the layout llama.cpp repacks Q4_0 into for AVX2: a decode product takes one
+block of 8 rows with its x block in a few instructions, with no sum across a register per row
+(bench/q4_layout.cpp measured the gain for Q4_0: one AVX2 core 13-17 -> 31-38 G weights/s; for
+Q8_0, one core in cache 23 -> 39).
 """
 
 from __future__ import annotations
@@ -30,7 +25,7 @@ import torch
 QK = 32  # weights per block
 Q8_0_BYTES = 2 + QK
 Q4_0_BYTES = 2 + QK // 2
-ROW_GROUP = 16  # rows of a block format stored together
+ROW_GROUP = 8  # rows of a block format stored together
 _CHUNK = 1 << 22  # weights quantized at a time: bounds the float32 temporaries (~16 MB each)
 
 
@@ -78,31 +73,31 @@ def _check_groups(shape, name: str) -> None:
         raise ValueError(f"{name} weights are stored in groups of {ROW_GROUP} rows, got shape {list(shape)}")
 
 
-def interleave(q: torch.Tensor, block_bytes: int) -> torch.Tensor:
-    """GGUF rows of `block_bytes` blocks, uint8 [..., N, K / 32 * block_bytes] (N % 16 == 0) -> the
-    same rows in groups of 16 (the module docstring's layout)."""
+def interleave8(q: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """GGUF rows of `block_bytes` blocks, uint8 [..., N, K / 32 * block_bytes] (N % 8 == 0) -> the
+    same rows in groups of 8 (the module docstring's layout)."""
     *lead, n, row = q.shape
     _check_groups(q.shape, "Q8_0 / Q4_0")
     nb, chunks = row // block_bytes, (block_bytes - 2) // 4
-    g = q.reshape(*lead, n // ROW_GROUP, ROW_GROUP, nb, block_bytes).movedim(-3, -2)  # [.., G, nb, 16, bytes]
-    scales = g[..., :2].flatten(-2)  # [.., G, nb, 32]
-    quants = g[..., 2:].unflatten(-1, (chunks, 4)).transpose(-3, -2).flatten(-3)  # [.., G, nb, chunks x 16 rows x 4]
+    g = q.reshape(*lead, n // ROW_GROUP, ROW_GROUP, nb, block_bytes).movedim(-3, -2)  # [.., G, nb, 8, bytes]
+    scales = g[..., :2].flatten(-2)  # [.., G, nb, 16]
+    quants = g[..., 2:].unflatten(-1, (chunks, 4)).transpose(-3, -2).flatten(-3)  # [.., G, nb, chunks x 8 rows x 4]
     return torch.cat([scales, quants], -1).reshape(*lead, n, row)
 
 
-def deinterleave(q: torch.Tensor, block_bytes: int) -> torch.Tensor:
-    """Rows in groups of 16 -> GGUF's row-major rows (the inverse of `interleave`)."""
+def deinterleave8(q: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """Rows in groups of 8 -> GGUF's row-major rows (the inverse of `interleave8`)."""
     *lead, n, row = q.shape
     nb, chunks = row // block_bytes, (block_bytes - 2) // 4
     g = q.reshape(*lead, n // ROW_GROUP, nb, ROW_GROUP * block_bytes)
-    scales = g[..., : 2 * ROW_GROUP].unflatten(-1, (ROW_GROUP, 2))  # [.., G, nb, 16, 2]
-    quants = g[..., 2 * ROW_GROUP :].unflatten(-1, (chunks, ROW_GROUP, 4)).transpose(-3, -2).flatten(-2)  # [.., G, nb, 16, bytes - 2]
-    blocks = torch.cat([scales, quants], -1).movedim(-2, -3)  # [.., G, 16, nb, bytes]
+    scales = g[..., :16].unflatten(-1, (ROW_GROUP, 2))  # [.., G, nb, 8, 2]
+    quants = g[..., 16:].unflatten(-1, (chunks, ROW_GROUP, 4)).transpose(-3, -2).flatten(-2)  # [.., G, nb, 8, bytes - 2]
+    blocks = torch.cat([scales, quants], -1).movedim(-2, -3)  # [.., G, 8, nb, bytes]
     return blocks.reshape(*lead, n, row)
 
 
 def _quantize_grouped(w: torch.Tensor, block_bytes: int, blocks_fn, name: str) -> torch.Tensor:
-    """Weights [..., N, K] -> GGUF blocks of `blocks_fn` in groups of 16 rows, quantized a chunk of
+    """Weights [..., N, K] -> GGUF blocks of `blocks_fn` in groups of 8 rows, quantized a chunk of
     whole groups at a time (bounded temporaries)."""
     _check_groups(w.shape, name)
     k = w.shape[-1]
@@ -110,19 +105,19 @@ def _quantize_grouped(w: torch.Tensor, block_bytes: int, blocks_fn, name: str) -
     out = torch.empty(rows.shape[0], k // QK * block_bytes, dtype=torch.uint8)
     step = max(ROW_GROUP, _CHUNK // max(k, 1) // ROW_GROUP * ROW_GROUP)
     for i in range(0, rows.shape[0], step):
-        out[i : i + step] = interleave(_quantize(rows[i : i + step], block_bytes, blocks_fn), block_bytes)
+        out[i : i + step] = interleave8(_quantize(rows[i : i + step], block_bytes, blocks_fn), block_bytes)
     return out.view(*w.shape[:-1], out.shape[-1])
 
 
 def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
-    """Weights [..., N, K] (any float dtype; N % 16 == 0, K % 32 == 0) -> Q8_0 rows uint8
-    [..., N, K / 32 * 34] in groups of 16 rows (GGUF's blocks, regrouped)."""
+    """Weights [..., N, K] (any float dtype; N % 8 == 0, K % 32 == 0) -> Q8_0 rows uint8
+    [..., N, K / 32 * 34] in groups of 8 rows (GGUF's blocks, regrouped)."""
     return _quantize_grouped(w, Q8_0_BYTES, _q8_0_blocks, "int8 (Q8_0)")
 
 
 def quantize_q4_0(w: torch.Tensor) -> torch.Tensor:
-    """Weights [..., N, K] (any float dtype; N % 16 == 0, K % 32 == 0) -> Q4_0 rows uint8
-    [..., N, K / 32 * 18] in groups of 16 rows (GGUF's blocks, regrouped)."""
+    """Weights [..., N, K] (any float dtype; N % 8 == 0, K % 32 == 0) -> Q4_0 rows uint8
+    [..., N, K / 32 * 18] in groups of 8 rows (GGUF's blocks, regrouped)."""
     return _quantize_grouped(w, Q4_0_BYTES, _q4_0_blocks, "int4 (Q4_0)")
 
 
@@ -131,15 +126,15 @@ def _scales(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_q8_0(q: torch.Tensor, k: int) -> torch.Tensor:
-    """Q8_0 rows uint8 [..., N, K / 32 * 34] in groups of 16 -> float32 [..., N, K]."""
-    blocks = deinterleave(q, Q8_0_BYTES).reshape(-1, Q8_0_BYTES)
+    """Q8_0 rows uint8 [..., N, K / 32 * 34] in groups of 8 -> float32 [..., N, K]."""
+    blocks = deinterleave8(q, Q8_0_BYTES).reshape(-1, Q8_0_BYTES)
     w = _scales(blocks) * blocks[:, 2:].contiguous().view(torch.int8).float()
     return w.view(*q.shape[:-1], k)
 
 
 def dequantize_q4_0(q: torch.Tensor, k: int) -> torch.Tensor:
-    """Q4_0 rows uint8 [..., N, K / 32 * 18] in groups of 16 -> float32 [..., N, K]."""
-    blocks = deinterleave(q, Q4_0_BYTES).reshape(-1, Q4_0_BYTES)
+    """Q4_0 rows uint8 [..., N, K / 32 * 18] in groups of 8 -> float32 [..., N, K]."""
+    blocks = deinterleave8(q, Q4_0_BYTES).reshape(-1, Q4_0_BYTES)
     packed = blocks[:, 2:]
     values = torch.cat([packed & 15, packed >> 4], dim=-1).float() - 8  # [n, 32]: q[0..15], q[16..31]
     return (_scales(blocks) * values).view(*q.shape[:-1], k)

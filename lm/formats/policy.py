@@ -101,7 +101,7 @@ def vision_dtype(spec: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
 def plan(shapes: dict[str, tuple[int, ...]], spec: str, checkpoint_dtype: torch.dtype) -> dict[str, Format]:
     """The storage format of every large LM parameter (name -> Format; the rest stay in the compute
     dtype). `shapes` are the parameters' logical shapes; "auto" means bf16 for a bf16 (or fp8)
-    checkpoint, else fp32. A block format that does not fit a weight (K % 32, or its rows % 16)
+    checkpoint, else fp32. A block format that does not fit a weight (K % 32, or its rows % 8)
     leaves it in bf16, said once on stderr with the names."""
     parts = parse(spec)
     auto = lossless_auto(checkpoint_dtype)
@@ -120,5 +120,5 @@ def plan(shapes: dict[str, tuple[int, ...]], spec: str, checkpoint_dtype: torch.
     if unfit:
         shown = ", ".join(unfit[:4]) + (f" (and {len(unfit) - 4} more)" if len(unfit) > 4 else "")
         print(f"[qwen35] weights={spec}: {len(unfit)} weight(s) have rows that are no multiple of 32 (or a "
-              f"row count that is no multiple of 16) and stay bf16: {shown}", file=sys.stderr)
+              f"row count that is no multiple of 8) and stay bf16: {shown}", file=sys.stderr)
     return formats

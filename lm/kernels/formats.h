@@ -6,7 +6,7 @@
 //   Q8_0  uint8    [..., N, K / 32 * 34]         GGUF Q8_0 blocks: fp16 scale d, 32 int8 q; w = d q
 //   Q4_0  uint8    [..., N, K / 32 * 18]         GGUF Q4_0 blocks: fp16 scale d, 16 bytes holding
 //                                                q[j] (low nibble) and q[j + 16] (high); w = d (q - 8);
-//                                                rows in groups of 16 (N % 16 == 0; see below)
+//                                                rows in groups of 8 (N % 8 == 0; see below)
 // The format follows from the dtype and, for uint8, from the row size relative to K (34 != 18 per
 // block), so the kernels take the same tensors as before and Python needs no format argument.
 // Each traits struct turns one block of 32 weights into float32 vectors in registers (`load`):
@@ -272,14 +272,12 @@ inline void prefetch_block(const void* p) {
     prefetch_ahead<R>(p, PREFETCH_BYTES);
 }
 
-// Q8_0 and Q4_0 rows are stored in groups of RG = 16 (lm/formats/blocks.py): block b of a group is
-// the 16 rows' fp16 scales (32 bytes), then chunks of 64 bytes (Q8_0: 8, Q4_0: 4), chunk c holding
-// quant bytes 4c..4c+3 of row 0, 1, ..., 15: 544 / 288 bytes. A group starts at Rows::row(n) for
-// n % 16 == 0. The decode products read it as it is (int8_dot.h); block_of rebuilds one row's GGUF
-// block for the other paths.
-constexpr int RG = 16;
-constexpr int64_t GROUP_SCALES = 2 * RG;  // bytes of a group block's scales, before its chunks
-constexpr int64_t GROUP_CHUNK = 4 * RG;   // bytes of one chunk of a group block
+// Q8_0 and Q4_0 rows are stored in groups of RG = 8 (lm/formats/blocks.py): block b of a group is
+// the 8 rows' fp16 scales, then chunks of 32 bytes (Q8_0: 8, Q4_0: 4), chunk c holding quant bytes
+// 4c..4c+3 of row 0, 1, ..., 7: 272 / 144 bytes. A group starts at Rows::row(n) for n % 8 == 0. The
+// decode products read it as it is (int8_dot.h); block_of rebuilds one row's GGUF block for the
+// other paths.
+constexpr int RG = 8;
 inline bool grouped(Fmt f) { return f == Q8_0 || f == Q4_0; }
 
 template <class T>
@@ -291,7 +289,7 @@ inline void block_of(const uint8_t* group, int64_t b, int r, uint8_t* out) {
   constexpr int chunks = (T::block_bytes - 2) / 4;
   const uint8_t* o = group + b * group_block_bytes<T>();
   std::memcpy(out, o + 2 * r, 2);
-  for (int c = 0; c < chunks; ++c) std::memcpy(out + 2 + 4 * c, o + GROUP_SCALES + c * GROUP_CHUNK + r * 4, 4);
+  for (int c = 0; c < chunks; ++c) std::memcpy(out + 2 + 4 * c, o + 16 + c * 32 + r * 4, 4);
 }
 
 // Bytes of one row of K weights in format f.
@@ -355,7 +353,7 @@ inline void rows_to_float(const Rows& w, int64_t N, int64_t K, float* out) {
   }
 }
 
-// Groups of 16 rows of format T (Q8_0 / Q4_0) from w.row(0) (N % 16 == 0) as float32 into out [N, K].
+// Groups of 8 rows of format T (Q8_0 / Q4_0) from w.row(0) (N % 8 == 0) as float32 into out [N, K].
 template <class T>
 inline void group_rows_to_float(const Rows& w, int64_t N, int64_t K, float* out) {
   uint8_t block[T::block_bytes];
@@ -371,7 +369,7 @@ inline void group_rows_to_float(const Rows& w, int64_t N, int64_t K, float* out)
     }
 }
 
-// Rows [0, N) of w as float32 (the traits' to_float); Q8_0 / Q4_0: from a group start, N % 16 == 0.
+// Rows [0, N) of w as float32 (the traits' to_float); Q8_0 / Q4_0: from a group start, N % 8 == 0.
 inline void to_float(const Rows& w, int64_t N, int64_t K, float* out) {
   switch (w.fmt) {
     case F32: rows_to_float<TraitsF32>(w, N, K, out); break;

@@ -105,275 +105,200 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_
 constexpr bool VNNI = QWEN35_VNNI;
 
 // Block b of a Q8_0 / Q4_0 group (format T) in a product of R rows: its address, the lines ahead of
-// it prefetched (prefetch_block), and the fp16 scales of its rows 8h..8h+7 as floats in *dw.
+// it prefetched (prefetch_block), and its 8 rows' fp16 scales as floats in *dw.
 template <class T, int R>
-inline const uint8_t* group_block(const uint8_t* group, int64_t b, int h, __m256* dw) {
+inline const uint8_t* group_block(const uint8_t* group, int64_t b, __m256* dw) {
   constexpr int64_t GB = group_block_bytes<T>();
   const uint8_t* o = group + b * GB;
   for (int64_t line = 0; line < GB; line += 64) prefetch_block<T, R>(o + line);
-  *dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16 * h)));
+  *dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
   return o;
 }
 
-// The 256-bit kernels take a group as two halves of 8 rows: chunk c's bytes for rows 8h..8h+7 are
-// the 32 bytes at o + GROUP_SCALES + c * GROUP_CHUNK + 32 h, one 32-bit lane per row. HN halves
-// from h0 in one pass (2: both, sharing x's broadcasts; 1: one, for 3-4 rows of x, whose
-// accumulators for both halves would not fit AVX2's 16 registers); y[r * ldy + 8 h + j] gets row
-// 8 h + j of the group . x[r0 + r].
-inline const uint8_t* chunk_of(const uint8_t* o, int c, int h) { return o + GROUP_SCALES + c * GROUP_CHUNK + 32 * h; }
-
-// Q8_0: for each chunk c, the quants of the rows' bytes 4c..4c+3 against x's quants 4c..4c+3
-// broadcast, as |w| times x with w's sign (vpmaddubsw takes one unsigned operand), so that lane j
-// sums row j with no sum across the register. Each chunk's int16 pair sums (at most 2 x 127 x 127)
-// go to int32 before the next is added.
-template <int R, int HN>
-inline void dot_group_q8_0(const QuantizedX& x, int64_t r0, const uint8_t* group, int h0, float* y, int64_t ldy) {
+// y[r * ldy + j] = row j of a Q8_0 group . x[r0 + r] for r < R, j < 8. Per block: the 8 rows' scales
+// in one conversion; for each chunk c, the quants of the 8 rows' bytes 4c..4c+3 (one 32-bit lane
+// per row) against x's quants 4c..4c+3 broadcast, as |w| times x with w's sign (vpmaddubsw takes
+// one unsigned operand), so that lane j sums row j with no sum across the register. Each chunk's
+// int16 pair sums (at most 2 x 127 x 127) go to int32 before the next is added.
+template <int R>
+inline void dot_group_q8_0(const QuantizedX& x, int64_t r0, const uint8_t* group, float* y, int64_t ldy) {
   const int64_t K = x.K, nb = K / QK;
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][HN];
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < HN; ++h) acc[r][h] = _mm256_setzero_ps();
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m256 dw[HN];
-    const uint8_t* o = group_block<TraitsQ8_0, R>(group, b, h0, &dw[0]);
-    if constexpr (HN == 2) dw[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
-    __m256i s[R][HN];
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < HN; ++h) s[r][h] = _mm256_setzero_si256();
+    __m256 dw;
+    const uint8_t* o = group_block<TraitsQ8_0, R>(group, b, &dw);
+    __m256i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
 #pragma GCC unroll 2  // fully unrolled, GCC sums each row's 8 chunks as a tree: with 4 rows, 32 live
     for (int c = 0; c < 8; ++c) {  // registers and spills to the stack (1 row: the same speed either way)
-      __m256i xa[R];
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 16 + c * 32));
+#if QWEN35_VNNI
+      const __m256i biased = _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80)));  // w + 128, unsigned
+#else
+      const __m256i magnitude = _mm256_sign_epi8(q, q);
+#endif
       for (int r = 0; r < R; ++r) {
         int32_t a;
         std::memcpy(&a, x.q.data() + (r0 + r) * K + b * QK + 4 * c, 4);
-        xa[r] = _mm256_set1_epi32(a);
-      }
-      for (int h = 0; h < HN; ++h) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk_of(o, c, h0 + h)));
+        const __m256i xa = _mm256_set1_epi32(a);
 #if QWEN35_VNNI
-        const __m256i biased = _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80)));  // w + 128, unsigned
-        for (int r = 0; r < R; ++r) s[r][h] = dpbusd(s[r][h], biased, xa[r]);
+        s[r] = dpbusd(s[r], biased, xa);
 #else
-        const __m256i magnitude = _mm256_sign_epi8(q, q);
-        for (int r = 0; r < R; ++r) {
-          const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xa[r], q));
-          s[r][h] = _mm256_add_epi32(s[r][h], _mm256_madd_epi16(pairs, ones));
-        }
+        const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xa, q));
+        s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(pairs, ones));
 #endif
       }
     }
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * nb + b;
-      const __m256 dx = _mm256_set1_ps(x.d[i]);
-      for (int h = 0; h < HN; ++h) {
 #if QWEN35_VNNI
-        s[r][h] = _mm256_sub_epi32(s[r][h], _mm256_set1_epi32(16 * x.sum8[i]));  // less 128 sum(q) of the bias
+      s[r] = _mm256_sub_epi32(s[r], _mm256_set1_epi32(16 * x.sum8[i]));  // less 128 sum(q) of the bias
 #endif
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), _mm256_mul_ps(dw[h], dx), acc[r][h]);
-      }
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dw, _mm256_set1_ps(x.d[i])), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < HN; ++h) _mm256_storeu_ps(y + r * ldy + 8 * (h0 + h), acc[r][h]);
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
-// Q4_0: for each chunk c, the nibbles of the rows' bytes 4c..4c+3 against x's quants 4c..4c+3 and
-// 16+4c..16+4c+3 broadcast. The int16 sums stay below 8 x 2 x 15 x 127 = 30480.
-template <int R, int HN>
-inline void dot_group_q4_0(const QuantizedX& x, int64_t r0, const uint8_t* group, int h0, float* y, int64_t ldy) {
+// y[r * ldy + j] = row j of a Q4_0 group . x[r0 + r] for r < R, j < 8. Per block: the 8 rows' scales
+// in one conversion; for each chunk c, the nibbles of the 8 rows' bytes 4c..4c+3 (one 32-bit lane
+// per row) against x's quants 4c..4c+3 and 16+4c..16+4c+3 broadcast, so that lane j sums row j with
+// no sum across the register. The int16 sums stay below 8 x 2 x 15 x 127 = 30480.
+template <int R>
+inline void dot_group_q4_0(const QuantizedX& x, int64_t r0, const uint8_t* group, float* y, int64_t ldy) {
   const int64_t K = x.K, nb = K / QK;
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   const __m256i m4 = _mm256_set1_epi8(15);
-  __m256 acc[R][HN];
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < HN; ++h) acc[r][h] = _mm256_setzero_ps();
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m256 dw[HN];
-    const uint8_t* o = group_block<TraitsQ4_0, R>(group, b, h0, &dw[0]);
-    if constexpr (HN == 2) dw[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
-    __m256i s[R][HN];
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < HN; ++h) s[r][h] = _mm256_setzero_si256();
+    __m256 dw;
+    const uint8_t* o = group_block<TraitsQ4_0, R>(group, b, &dw);
+    __m256i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
 #pragma GCC unroll 2  // as in dot_group_q8_0 (whole int4 steps 1.19x at batch 4, 1.07x at batch 8)
     for (int c = 0; c < 4; ++c) {
-      __m256i xa[R], xh[R];
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 16 + c * 32));
+      const __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = x.q.data() + (r0 + r) * K + b * QK;
-        int32_t a, hi;
+        int32_t a, h;
         std::memcpy(&a, xq + 4 * c, 4);
-        std::memcpy(&hi, xq + 16 + 4 * c, 4);
-        xa[r] = _mm256_set1_epi32(a), xh[r] = _mm256_set1_epi32(hi);
-      }
-      for (int h = 0; h < HN; ++h) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk_of(o, c, h0 + h)));
-        const __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-        for (int r = 0; r < R; ++r) {
+        std::memcpy(&h, xq + 16 + 4 * c, 4);
 #if QWEN35_VNNI
-          s[r][h] = dpbusd(dpbusd(s[r][h], lo, xa[r]), hi, xh[r]);
+        s[r] = dpbusd(dpbusd(s[r], lo, _mm256_set1_epi32(a)), hi, _mm256_set1_epi32(h));
 #else
-          s[r][h] = _mm256_add_epi16(s[r][h], _mm256_maddubs_epi16(lo, xa[r]));
-          s[r][h] = _mm256_add_epi16(s[r][h], _mm256_maddubs_epi16(hi, xh[r]));
+        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
+        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(h)));
 #endif
-        }
       }
     }
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * nb + b;
-      const __m256 dx = _mm256_set1_ps(x.d[i]);
-      for (int h = 0; h < HN; ++h) {
 #if QWEN35_VNNI
-        const __m256i dot = _mm256_sub_epi32(s[r][h], _mm256_set1_epi32(x.sum8[i]));  // int32 lanes already
+      const __m256i dot = _mm256_sub_epi32(s[r], _mm256_set1_epi32(x.sum8[i]));  // int32 lanes already
 #else
-        const __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(s[r][h], ones), _mm256_set1_epi32(x.sum8[i]));
+      const __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(s[r], ones), _mm256_set1_epi32(x.sum8[i]));
 #endif
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw[h], dx), acc[r][h]);
-      }
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(x.d[i])), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < HN; ++h) _mm256_storeu_ps(y + r * ldy + 8 * (h0 + h), acc[r][h]);
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
-// A whole group in 512-bit registers (QWEN35_GROUP_ZMM, with AVX512-VNNI): one register holds chunk
-// c of all 16 rows, one 32-bit lane per row, and is multiplied by x's 4 quants broadcast from memory
-// (vpdpbusd's embedded broadcast), so that lane j sums row j: no permute of x and no sum across
-// registers. The integer dots and their scaling are the 256-bit kernels', so y equals theirs bit for
-// bit. One Zen 4 core, one row, Q4_0 weight in L2: 85-97 G weights/s, against 62 for the 8-row
-// layout's 512-bit kernel (two chunks a register, x permuted per chunk pair) and 50-52 for 256 bits
-// (bench/q4_layout.cpp; lm/kernels/build.py passes the flag there; whole steps: the README).
+// One row of x against a group in 512-bit registers (QWEN35_GROUP_ZMM, with AVX512-VNNI): two chunks
+// a register, lanes 0-7 chunk c's 8 rows and lanes 8-15 chunk c + 1's, x's quants for the two put in
+// the matching halves by one permute; each half sums its chunks, and the two halves' int32 sums are
+// added before the scaling, so y equals the 256-bit kernels' bit for bit. Half
+// the instructions of the 256-bit kernels and two short dependency chains per block: on Zen 4 (2 cores,
+// L2-resident weight, one thread) Q4_0 ran 63-65 G weights/s against 50-52 (lm/kernels/build.py passes
+// it there; whole steps: the README).
 #if QWEN35_VNNI && defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(QWEN35_GROUP_ZMM) && QWEN35_GROUP_ZMM
 #define QWEN35_ZMM_GROUPS 1
-typedef int32_t i32a __attribute__((may_alias));  // x's quants read 4 at a time
-
-// The loop both formats share, for R rows of x (1-4) over blocks [b0, b1): per block, the format's
-// int32 dots of the 16 rows with each x row (Dot::run: into s[r][0..1], two chains a row, from the
-// block's chunks and x's quants), less the bias term, scaled as in the 256-bit kernels, into acc[r].
-template <class T, class Dot, int R>
-inline void blocks_zmm(const QuantizedX& x, int64_t r0, const uint8_t* group, int64_t b0, int64_t b1, int32_t bias,
-                       __m512* acc) {
-  const int64_t K = x.K, nb = K / QK;
-  constexpr int64_t GB = group_block_bytes<T>();
-  for (int64_t b = b0; b < b1; ++b) {
-    const uint8_t* o = group + b * GB;
-    for (int64_t line = 0; line < GB; line += 64) prefetch_block<T, R>(o + line);
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o)));
-    const i32a* xq[R];
-    for (int r = 0; r < R; ++r) xq[r] = reinterpret_cast<const i32a*>(x.q.data() + (r0 + r) * K + b * QK);
-    __m512i s[R][2];
-    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm512_setzero_si512();
-    Dot::template run<R>(o + GROUP_SCALES, xq, s);
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = (r0 + r) * nb + b;
-      const __m512i d = _mm512_sub_epi32(_mm512_add_epi32(s[r][0], s[r][1]), _mm512_set1_epi32(bias * x.sum8[i]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i])), acc[r]);
-    }
-  }
+// x's 8 dwords of one block (32 quants) -> a register whose low half holds dword i, its high half dword i + 1.
+inline __m512i x_pair(__m512i x8, int i) {
+  return _mm512_permutexvar_epi32(
+      _mm512_setr_epi32(i, i, i, i, i, i, i, i, i + 1, i + 1, i + 1, i + 1, i + 1, i + 1, i + 1, i + 1), x8);
 }
 
-// R rows of x (1-8) against a group. 5-8 rows go as 4 + the rest over tiles of 8 blocks, the second
-// set reading the tile from L1: in two passes over the whole group (17-35 KB for Q8_0 at K = 1024-2048),
-// the second re-read it from L2, and int8 batch-8 steps ran 0.89x of the 8-row layout's 256-bit
-// kernels; 8 rows at once (one chain a row, to fit 32 registers) 0.95x.
-template <class T, class Dot, int R>
-inline void dot_group_zmm(const QuantizedX& x, int64_t r0, const uint8_t* group, float* y, int64_t ldy, int32_t bias) {
+// The int32 sums of a register's two halves (each lane j: row j's two chunks).
+inline __m256i halves(__m512i s) { return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti32x8_epi32(s, 1)); }
+
+// The loop both formats share: per block, the format's int32 dots of the 8 rows (`dot`, from the
+// block's quant bytes, x's 32 quants and x's sum8), scaled as in the 256-bit kernels.
+template <class T, class Dot>
+inline void dot_group_zmm(const QuantizedX& x, int64_t r0, const uint8_t* group, float* y, Dot dot) {
   const int64_t nb = x.K / QK;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  if constexpr (R <= 4) {
-    blocks_zmm<T, Dot, R>(x, r0, group, 0, nb, bias, acc);
-  } else {
-    constexpr int64_t TILE = 8;
-    for (int64_t b0 = 0; b0 < nb; b0 += TILE) {
-      const int64_t b1 = std::min(nb, b0 + TILE);
-      blocks_zmm<T, Dot, 4>(x, r0, group, b0, b1, bias, acc);
-      blocks_zmm<T, Dot, R - 4>(x, r0 + 4, group, b0, b1, bias, acc + 4);
-    }
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 dw;
+    const uint8_t* o = group_block<T, 1>(group, b, &dw);
+    const int64_t i = r0 * nb + b;
+    const __m512i x8 = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i * QK)));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot(o + 16, x8, x.sum8[i])), _mm256_mul_ps(dw, _mm256_set1_ps(x.d[i])), acc);
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+  _mm256_storeu_ps(y, acc);
 }
 
-struct DotQ4_0 {  // low nibbles: quants 4c..4c+3 of the block; high: 16+4c..16+4c+3
-  template <int R>
-  static inline void run(const uint8_t* q, const i32a* const* xq, __m512i (*s)[2]) {
+inline void dot_group_q4_0_zmm(const QuantizedX& x, int64_t r0, const uint8_t* group, float* y) {
+  dot_group_zmm<TraitsQ4_0>(x, r0, group, y, [](const uint8_t* q, __m512i x8, int32_t sum8) {
     const __m512i m4 = _mm512_set1_epi8(15);
-    for (int c = 0; c < 4; ++c) {
-      const __m512i w = _mm512_loadu_si512(q + c * GROUP_CHUNK);
-      const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
-      for (int r = 0; r < R; ++r) {
-        s[r][c % 2] = _mm512_dpbusd_epi32(s[r][c % 2], lo, _mm512_set1_epi32(xq[r][c]));
-        s[r][c % 2] = _mm512_dpbusd_epi32(s[r][c % 2], hi, _mm512_set1_epi32(xq[r][c + 4]));
-      }
-    }
-  }
-};
-
-struct DotQ8_0 {  // w + 128, unsigned, against x; 128 sum(q) taken off after (bias 16 x sum8)
-  template <int R>
-  static inline void run(const uint8_t* q, const i32a* const* xq, __m512i (*s)[2]) {
-    const __m512i bias = _mm512_set1_epi8(char(0x80));
-    for (int c = 0; c < 8; ++c) {
-      const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(q + c * GROUP_CHUNK), bias);
-      for (int r = 0; r < R; ++r) s[r][c % 2] = _mm512_dpbusd_epi32(s[r][c % 2], w, _mm512_set1_epi32(xq[r][c]));
-    }
-  }
-};
-
-template <int R>
-inline void dot_group_q4_0_zmm(const QuantizedX& x, int64_t r0, const uint8_t* group, float* y, int64_t ldy) {
-  dot_group_zmm<TraitsQ4_0, DotQ4_0, R>(x, r0, group, y, ldy, 1);
+    const __m512i q0 = _mm512_loadu_si512(q), q1 = _mm512_loadu_si512(q + 64);  // chunks 0-1, 2-3
+    __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(q0, m4), x_pair(x8, 0));
+    __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(q1, m4), x_pair(x8, 2));
+    s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4), x_pair(x8, 4));  // high nibbles:
+    s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4), x_pair(x8, 6));  // quants 16-31
+    return _mm256_sub_epi32(halves(_mm512_add_epi32(s0, s1)), _mm256_set1_epi32(sum8));
+  });
 }
 
-template <int R>
-inline void dot_group_q8_0_zmm(const QuantizedX& x, int64_t r0, const uint8_t* group, float* y, int64_t ldy) {
-  dot_group_zmm<TraitsQ8_0, DotQ8_0, R>(x, r0, group, y, ldy, 16);
+inline void dot_group_q8_0_zmm(const QuantizedX& x, int64_t r0, const uint8_t* group, float* y) {
+  dot_group_zmm<TraitsQ8_0>(x, r0, group, y, [](const uint8_t* q, __m512i x8, int32_t sum8) {
+    const __m512i bias = _mm512_set1_epi8(char(0x80));
+    __m512i s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int c = 0; c < 8; c += 2)  // w + 128, unsigned, against x; 128 sum(q) taken off below
+      s[c / 2 % 2] = _mm512_dpbusd_epi32(s[c / 2 % 2], _mm512_xor_si512(_mm512_loadu_si512(q + c * 32), bias), x_pair(x8, c));
+    return _mm256_sub_epi32(halves(_mm512_add_epi32(s[0], s[1])), _mm256_set1_epi32(16 * sum8));
+  });
 }
 #else
 #define QWEN35_ZMM_GROUPS 0
 #endif
 
-// y[r * ldy + j] = row j of the group at `group` . x[r0 + r], r < R, j < 16.
+// Rows [0, M) of quantized x times weight rows [n0, n1) of a Q8_0 / Q4_0 weight -> y[:, n0:n1]
+// (n0 and n1 multiples of 8, whole groups; x in steps of up to 4 rows, each step reading the group's
+// block from L1 again).
 template <int R>
 inline void dot_group(Fmt f, const QuantizedX& x, int64_t r0, const uint8_t* group, float* y, int64_t ldy) {
 #if QWEN35_ZMM_GROUPS
-  if (f == Q4_0)
-    dot_group_q4_0_zmm<R>(x, r0, group, y, ldy);
-  else
-    dot_group_q8_0_zmm<R>(x, r0, group, y, ldy);
-#else
-  constexpr int HN = R <= 2 ? 2 : 1;  // both halves in one pass where their accumulators fit
-  for (int h = 0; h < 2; h += HN) {
+  if constexpr (R == 1) {
     if (f == Q4_0)
-      dot_group_q4_0<R, HN>(x, r0, group, h, y, ldy);
+      dot_group_q4_0_zmm(x, r0, group, y);
     else
-      dot_group_q8_0<R, HN>(x, r0, group, h, y, ldy);
+      dot_group_q8_0_zmm(x, r0, group, y);
+    return;
   }
 #endif
+  if (f == Q4_0)
+    dot_group_q4_0<R>(x, r0, group, y, ldy);
+  else
+    dot_group_q8_0<R>(x, r0, group, y, ldy);
 }
 
-// Rows [0, M) of quantized x times weight rows [n0, n1) of a Q8_0 / Q4_0 weight -> y[:, n0:n1]
-// (n0 and n1 multiples of 16, whole groups; x in steps of up to 4 rows, 8 in 512-bit registers,
-// each step reading the group from L1 or L2 again).
 // (x's rows [x0, x0 + M): a slice of a QuantizedX holding more rows, e.g. all experts' rows.)
 inline void block_i8(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y, int64_t ldy,
                      int64_t x0 = 0) {
-  constexpr int64_t STEP = QWEN35_ZMM_GROUPS ? 8 : 4;
   for (int64_t n = n0; n < n1; n += RG)
-    for (int64_t r0 = 0; r0 < M; r0 += STEP) {
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
       const uint8_t* group = W.row(n);
       float* yn = y + r0 * ldy + n;
-      switch (std::min<int64_t>(STEP, M - r0)) {
+      switch (std::min<int64_t>(4, M - r0)) {
         case 1: dot_group<1>(W.fmt, x, x0 + r0, group, yn, ldy); break;
         case 2: dot_group<2>(W.fmt, x, x0 + r0, group, yn, ldy); break;
         case 3: dot_group<3>(W.fmt, x, x0 + r0, group, yn, ldy); break;
-#if QWEN35_ZMM_GROUPS
-        case 4: dot_group<4>(W.fmt, x, x0 + r0, group, yn, ldy); break;
-        case 5: dot_group<5>(W.fmt, x, x0 + r0, group, yn, ldy); break;
-        case 6: dot_group<6>(W.fmt, x, x0 + r0, group, yn, ldy); break;
-        case 7: dot_group<7>(W.fmt, x, x0 + r0, group, yn, ldy); break;
-        default: dot_group<8>(W.fmt, x, x0 + r0, group, yn, ldy); break;
-#else
         default: dot_group<4>(W.fmt, x, x0 + r0, group, yn, ldy); break;
-#endif
       }
     }
 }

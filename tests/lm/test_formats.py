@@ -36,7 +36,7 @@ def test_quantizer_is_bit_exact_with_gguf(fmt, qtype):
     w = _weights()
     ours = fmt.quantize(w)
     ref = quants.quantize(w.numpy(), getattr(GGMLQuantizationType, qtype))
-    gguf_rows = blocks.deinterleave(ours, fmt.block_bytes)  # GGUF's blocks, kept in groups of 16 rows
+    gguf_rows = blocks.deinterleave8(ours, fmt.block_bytes)  # GGUF's blocks, kept in groups of 8 rows
     assert ours.dtype == torch.uint8 and np.array_equal(gguf_rows.numpy(), ref)
     deq = quants.dequantize(ref, getattr(GGMLQuantizationType, qtype))
     assert np.array_equal(fmt.dequantize(ours, w.shape[1]).numpy(), deq)
@@ -45,21 +45,21 @@ def test_quantizer_is_bit_exact_with_gguf(fmt, qtype):
 
 
 @pytest.mark.parametrize("fmt,blocks_fn", [(INT8, "_q8_0_blocks"), (INT4, "_q4_0_blocks")])
-def test_block_format_rows_are_grouped_by_sixteen(fmt, blocks_fn):
-    """blocks.py's layout: block b of a group holds the 16 rows' scales, then chunk c = quant bytes
-    4c..4c+3 of rows 0..15 (8 chunks for Q8_0, 4 for Q4_0); the kernels read it as it is."""
-    w = _weights(n=32, k=64)
+def test_block_format_rows_are_grouped_by_eight(fmt, blocks_fn):
+    """blocks.py's layout: block b of a group holds the 8 rows' scales, then chunk c = quant bytes
+    4c..4c+3 of rows 0..7 (8 chunks for Q8_0, 4 for Q4_0); the kernels read it as it is."""
+    w = _weights(n=16, k=64)
     bb, chunks = fmt.block_bytes, (fmt.block_bytes - 2) // 4
     gguf_rows = blocks._quantize(w, bb, getattr(blocks, blocks_fn))
-    group = fmt.quantize(w)[16:32].reshape(-1)  # the second group's bytes, in order
-    for r, b, c in [(0, 0, 0), (5, 1, 2), (9, 0, 1), (15, 1, chunks - 1)]:
-        block = group[b * 16 * bb : (b + 1) * 16 * bb]
-        assert torch.equal(block[2 * r : 2 * r + 2], gguf_rows[16 + r, b * bb : b * bb + 2])
-        assert torch.equal(block[32 + 64 * c + 4 * r : 36 + 64 * c + 4 * r], gguf_rows[16 + r, b * bb + 2 + 4 * c : b * bb + 6 + 4 * c])
-    assert torch.equal(blocks.interleave(blocks.deinterleave(fmt.quantize(w), bb), bb), fmt.quantize(w))
-    with pytest.raises(ValueError, match="groups of 16 rows"):
-        fmt.quantize(torch.randn(24, 64))
-    assert not fmt.fits(64, 24) and fmt.fits(64, 32) and BF16.fits(64, 24)
+    group = fmt.quantize(w)[8:16].reshape(-1)  # the second group's bytes, in order
+    for r, b, c in [(0, 0, 0), (5, 1, 2), (7, 1, chunks - 1)]:
+        block = group[b * 8 * bb : (b + 1) * 8 * bb]
+        assert torch.equal(block[2 * r : 2 * r + 2], gguf_rows[8 + r, b * bb : b * bb + 2])
+        assert torch.equal(block[16 + 32 * c + 4 * r : 20 + 32 * c + 4 * r], gguf_rows[8 + r, b * bb + 2 + 4 * c : b * bb + 6 + 4 * c])
+    assert torch.equal(blocks.interleave8(blocks.deinterleave8(fmt.quantize(w), bb), bb), fmt.quantize(w))
+    with pytest.raises(ValueError, match="groups of 8 rows"):
+        fmt.quantize(torch.randn(12, 64))
+    assert not fmt.fits(64, 12) and fmt.fits(64, 16) and BF16.fits(64, 12)
 
 
 def test_format_of_refuses_unknown_storage():
