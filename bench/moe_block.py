@@ -18,9 +18,9 @@ import time
 import torch
 
 from bench.limits import ReadBandwidth
+from bench.products import in_huge_pages
 from lm import kernels
 from lm.formats import FORMATS
-from lm.hugepages import gather_into_huge_pages
 
 H, I, E, TOP_K = 1024, 256, 64, 8
 
@@ -48,11 +48,7 @@ def main() -> None:
     if k is None:
         raise SystemExit("the CPU kernels are off or not built (QWEN35_CPU_KERNELS); nothing to measure")
     fmt, g = FORMATS[args.format], torch.Generator().manual_seed(0)
-    filled = [t.contiguous() for _ in range(args.layers) for t in layer(fmt, g)]
-    params = [torch.empty_like(t) for t in filled]
-    gather_into_huge_pages(params, low=0)
-    for p, t in zip(params, filled):
-        p.copy_(t)
+    params = in_huge_pages([t.contiguous() for _ in range(args.layers) for t in layer(fmt, g)])
     layers = [params[i * 7 : (i + 1) * 7] for i in range(args.layers)]
     x = torch.randn(args.rows, H, generator=g)
     per_weight = layers[0][3].numel() * layers[0][3].element_size() / (I * H)  # storage bytes per weight

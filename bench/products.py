@@ -29,18 +29,22 @@ from lm.hugepages import gather_into_huge_pages
 SHAPES = [(4096, 1024), (1024, 4096), (2048, 1024), (1024, 2048)] * 12
 
 
-def weights_in(fmt, shapes) -> list[torch.Tensor]:
-    """Random weights of `shapes` in `fmt`'s storage, in one buffer marked for huge pages, as a loaded
-    model's are (lm.hugepages.gather_into_huge_pages): each weight in an allocation of its own had
-    its ends in small pages, and 4 MiB products streamed ~30 GB/s there against 41-44 from one
-    huge-page buffer (2-core Zen 4, fast memory state)."""
-    g = torch.Generator().manual_seed(0)
-    filled = [fmt.quantize(torch.randn(n, k, generator=g) * 0.02).contiguous() for n, k in shapes]
-    out = [torch.empty_like(w) for w in filled]
+def in_huge_pages(tensors) -> list[torch.Tensor]:
+    """Copies of `tensors` in one buffer marked for huge pages, as a loaded model's weights are
+    (lm.hugepages.gather_into_huge_pages): each weight in an allocation of its own had its ends in
+    small pages, and 4 MiB products streamed ~30 GB/s there against 41-44 from one huge-page buffer
+    (2-core Zen 4, fast memory state)."""
+    out = [torch.empty_like(t) for t in tensors]
     gather_into_huge_pages(out, low=0)  # moves the unwritten tensors into the buffer
-    for w, f in zip(out, filled):
-        w.copy_(f)
+    for o, t in zip(out, tensors):
+        o.copy_(t)
     return out
+
+
+def weights_in(fmt, shapes) -> list[torch.Tensor]:
+    """Random weights of `shapes` in `fmt`'s storage, in one huge-page buffer (in_huge_pages)."""
+    g = torch.Generator().manual_seed(0)
+    return in_huge_pages([fmt.quantize(torch.randn(n, k, generator=g) * 0.02).contiguous() for n, k in shapes])
 
 
 def main() -> None:
