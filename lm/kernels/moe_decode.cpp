@@ -2,7 +2,7 @@
 // pieces of work from one queue, in order:
 //   1. the router logits (its rows cut into one piece per thread; the first piece also takes the
 //      shared expert's gate logit). The thread that finishes the last router piece does the routing
-//      (float32 softmax, top-k, renormalisation; rows grouped by expert; their int8 quantization)
+//      (float32 softmax, top-k, renormalisation; the rows of experts several tokens chose side by side)
 //      and publishes it, while the other threads go on with the shared expert;
 //   2. the gate/up pieces, first the shared expert's, then every selected expert's (rows of gate and
 //      up -> columns of act = silu(x Wg^T) * (x Wu^T));
@@ -71,19 +71,25 @@ int64_t cut(int64_t n, int64_t p, int64_t parts) { return p == parts ? n : n * p
 
 // The routing of N rows of router logits [N, E] (step 1 above), and the experts it selects, which it
 // writes into experts[1..] (experts[0], the shared one, is set up before): returns their count.
+// An expert one token selected reads that token's row of x (and of x's Q8_0 blocks, quantized once
+// before the region) where it is; the rows of an expert several tokens selected are copied side by
+// side (float32 rows, or their Q8_0 blocks: the same bytes a quantization of the copies would give).
 // Its buffers live in the caller's Workspace (below), so a call allocates nothing once warm.
+// (It runs serially while the other threads stream the shared expert. Quantizing a copy of x per
+// selection instead, it took 15k cycles with its buffers in cache and 16-55k after a layer's weight
+// stream had evicted them: ~20 KiB of cold writes for one token.)
 struct Routing {
   const float* logits;
   int64_t N, E, top_k, H, I;
   const float* x;
+  const QuantizedX* xq_in;  // x [N, H] in Q8_0 blocks when the experts take the int8 path, else null
   Rows gate_up, down;
-  float* xs;    // [S, H] the rows of x grouped by expert
+  float* xs;    // [S, H] the float32 rows of the experts several tokens selected (float path)
   float* acts;  // [S, I] their activations
-  bool int8;    // quantize xs for the int8-activation products
   // filled by run():
   std::vector<int64_t> count, start, row_token, chosen, idx, fill, slot, hit;
   std::vector<float> row_weight, weight, probs;
-  QuantizedX xq;
+  QuantizedX xq;  // [S, H] the Q8_0 rows of the experts several tokens selected (int8 path)
 
   int64_t run(std::vector<Expert>& experts, std::atomic<int64_t>* ready) {
     const int64_t S = N * top_k;
@@ -113,21 +119,35 @@ struct Routing {
     for (int64_t s = 0; s < S; ++s) slot[s] = fill[chosen[s]]++;
     row_token.resize(S);
     row_weight.resize(S);
-    for (int64_t s = 0; s < S; ++s) {
-      std::copy(x + (s / top_k) * H, x + (s / top_k + 1) * H, xs + slot[s] * H);
-      row_token[slot[s]] = s / top_k;
-      row_weight[slot[s]] = weight[s];
+    if (xq_in) {
+      const int64_t nb = H / QK;
+      xq.K = H, xq.q.resize(S * H), xq.d.resize(S * nb), xq.sum8.resize(S * nb);
     }
-    if (int8) quantize_x(xs, S, H, H, xq);
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t n = s / top_k, r = slot[s];
+      row_token[r] = n;
+      row_weight[r] = weight[s];
+      if (count[chosen[s]] == 1) continue;  // read in place
+      if (!xq_in) {
+        std::copy(x + n * H, x + (n + 1) * H, xs + r * H);
+        continue;
+      }
+      const int64_t nb = H / QK;
+      std::copy_n(xq_in->q.data() + n * H, H, xq.q.data() + r * H);
+      std::copy_n(xq_in->d.data() + n * nb, nb, xq.d.data() + r * nb);
+      std::copy_n(xq_in->sum8.data() + n * nb, nb, xq.sum8.data() + r * nb);
+    }
     hit.clear();  // the selected experts, most rows first
     for (int64_t e = 0; e < E; ++e)
       if (count[e]) hit.push_back(e);
     std::stable_sort(hit.begin(), hit.end(), [&](int64_t a, int64_t b) { return count[a] > count[b]; });
     for (size_t j = 0; j < hit.size(); ++j) {
-      const int64_t e = hit[j];
-      experts[j + 1] = {xs + start[e] * H, count[e], gate_up.from(e * 2 * I), gate_up.from((e * 2 + 1) * I),
-                        down.from(e * H), I, acts + start[e] * I, row_token.data() + start[e],
-                        row_weight.data() + start[e], &ready[j + 1], int8 ? &xq : nullptr, start[e]};
+      const int64_t e = hit[j], first = start[e], token = row_token[first];
+      const bool alone = count[e] == 1;  // its one row: x's row `token`, in place
+      experts[j + 1] = {alone ? x + token * H : xs + first * H, count[e], gate_up.from(e * 2 * I),
+                        gate_up.from((e * 2 + 1) * I), down.from(e * H), I, acts + first * I,
+                        row_token.data() + first, row_weight.data() + first, &ready[j + 1],
+                        !xq_in ? nullptr : alone ? xq_in : &xq, alone ? token : first};
     }
     return int64_t(hit.size());
   }
@@ -142,7 +162,7 @@ struct Workspace {
   std::vector<int64_t> tokens;
   std::vector<std::atomic<int64_t>> ready;  // per expert (shared first): finished gate/up pieces
   std::vector<Expert> experts;  // the shared expert, then the selected ones (written by the routing)
-  QuantizedX xq_shared;
+  QuantizedX xq;  // x in Q8_0 blocks (int8 path)
   Routing routing;
 };
 
@@ -178,14 +198,14 @@ at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::T
   std::vector<Expert>& experts = ws.experts;
   float *logits = ws.logits.data(), *gate_logit = ws.gate_logit.data(), *shared_weight = ws.shared_weight.data();
   float* partial = ws.partial.data();
-  const bool int8 = int8_path(sg);
-  if (int8) quantize_x(xp, N, H, H, ws.xq_shared);
+  const bool int8 = int8_path(sg), routed_int8 = int8_path(gu);
+  if (int8 || routed_int8) quantize_x(xp, N, H, H, ws.xq);  // once, for the shared and the routed experts
   experts[0] = {xp, N, sg, su, sd, Is, ws.acts.data(), ws.tokens.data(), shared_weight, &ready[0],
-                int8 ? &ws.xq_shared : nullptr, 0};
+                int8 ? &ws.xq : nullptr, 0};
   Routing& routing = ws.routing;
   routing.logits = logits, routing.N = N, routing.E = E, routing.top_k = top_k, routing.H = H, routing.I = I;
-  routing.x = xp, routing.gate_up = gu, routing.down = dn, routing.xs = ws.xs.data();
-  routing.acts = ws.acts.data() + N * Is, routing.int8 = int8_path(gu);
+  routing.x = xp, routing.xq_in = routed_int8 ? &ws.xq : nullptr, routing.gate_up = gu, routing.down = dn;
+  routing.xs = ws.xs.data(), routing.acts = ws.acts.data() + N * Is;
 
   // the queue: T router pieces, then gate/up pieces of experts 0 (shared), 1, ..., k, then their down
   // pieces; `routed` is 1 + k once the routing is out (0 before)

@@ -175,6 +175,35 @@ def test_grouped_and_moe_decode_kernels_with_compact_experts(kernels_on, fmt):
             assert 1e-6 < rel_err(block(x), dense(x)) < 2e-2  # ~1.0% for both formats here
 
 
+@pytest.mark.parametrize("fmt", [INT8, INT4])
+def test_moe_decode_rows_together_equal_each_row_alone_with_int8_activations(kernels_on, fmt):
+    """moe_decode quantizes x to Q8_0 once: an expert one token chose reads that token's row in place,
+    an expert several tokens chose reads copies of their rows side by side. Each row of a batch must
+    equal the same row alone (the same integer dots; only the order of the float sums over the
+    experts differs), for both kinds of expert."""
+    if not kernels._kernels().INT8_DOT:
+        pytest.skip("the int8 dot products are built for AVX2 only")
+    kernels.set_int8_activations(True)
+    g = torch.Generator().manual_seed(5)
+    E, K, H, I, Is, N = 6, 2, 96, 32, 64, 5
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.2
+
+    router, gate_up, down = w(E, H), fmt.quantize(w(E, 2 * I, H)), fmt.quantize(w(E, H, I))
+    shared = [fmt.quantize(w(Is, H)), fmt.quantize(w(Is, H)), fmt.quantize(w(H, Is))]
+    shared_gate, x = w(H), torch.randn(N, H, generator=g)
+    counts = torch.bincount((x @ router.T).topk(K, dim=-1).indices.flatten(), minlength=E)
+    assert (counts == 1).any() and (counts > 1).any()  # both kinds of expert
+
+    def moe(rows):
+        return kernels.moe_decode(rows, router, gate_up, down, K, *shared, shared_gate)
+
+    together = moe(x)
+    for n in range(N):
+        assert rel_err(together[n : n + 1], moe(x[n : n + 1])) < 1e-6
+
+
 def test_weights_specs():
     assert policy.parse("int4")["embed"] == "auto" and policy.parse("int4")["experts"] == "int4"
     parts = policy.parse("int4,attention=int8,embed=fp32")
