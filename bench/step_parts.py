@@ -1,0 +1,154 @@
+"""Where one batch-1 decode step goes: the step, its layers, the LM head and the layers' parts.
+
+    python -m bench.step_parts --checkpoint DIR [--weights int4] [--rounds 3]
+
+Loads a checkpoint in one format and builds its decode plan (lm/decode.py) on a short prompt, then
+per round, with the read bandwidth probed before it:
+- a greedy generation (ms per token), the whole C++ step (`DecodePlan.step`: embeddings, layers,
+  final norm, LM head; the difference is the Python around it: sampling, cache bookkeeping);
+- the layers alone (`DecodePlan.run`) and the LM head product alone;
+- each part of the layers over all layers in turn (their weights from memory, as in a step): the
+  DeltaNet input projections (one call), its token step (conv, gates, delta rule, norm; its state
+  read and written), out_proj; the attention projections; the MoE blocks (`moe_decode`) or dense
+  MLPs; the RMS norms; with the bytes each reads (and writes, for the states) per second.
+Medians of `--calls` calls each. The parts do not add up to the step exactly: a step's parts run
+after one another, warming each other's caches, and the memory state moves between rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+import mm
+from bench.limits import ReadBandwidth
+from lm import SamplingParams, decode, kernels, stream_generate
+from lm.moe import SparseMoeBlock
+
+
+def nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def median_time(fn, calls: int) -> float:
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[calls // 2]
+
+
+def layer_parts(k, lm, cache, cfg) -> dict:
+    """name -> (function running the part over every layer that has it, bytes it moves)."""
+    layers, slots, eps = lm.model.layers, list(cache.slots.values()), cfg.rms_norm_eps
+    x = torch.randn(1, lm.model.norm.weight.numel())
+    deltanet = [(layer.linear_attn, slot) for layer, slot in zip(layers, slots) if layer.layer_type == "linear_attention"]
+    attention = [layer.self_attn for layer in layers if layer.layer_type != "linear_attention"]
+    mlps = [layer.mlp for layer in layers]
+    parts = {}
+    if deltanet:
+        def inputs(a):
+            return [a.in_proj_qkv.weight, a.in_proj_z.weight, a.in_proj_b.weight, a.in_proj_a.weight]
+
+        a0 = deltanet[0][0]
+        p = k.multi_linear(x, inputs(a0))
+        out = torch.randn(1, p[1].shape[1])
+        parts["DeltaNet input projections"] = (lambda: [k.multi_linear(x, inputs(a)) for a, _ in deltanet],
+                                               sum(nbytes(*inputs(a)) for a, _ in deltanet))
+
+        def token_steps():
+            for a, s in deltanet:
+                conv = a.conv1d.weight
+                k.gdn_decode(p[0], p[1], p[2], p[3], s.conv, conv.view(conv.shape[0], -1), a.A_log, a.dt_bias,
+                             s.recurrent, a.norm.weight, eps, a.num_k_heads)
+
+        parts["DeltaNet token step"] = (token_steps, sum(2 * nbytes(s.recurrent, s.conv) for _, s in deltanet))
+        parts["DeltaNet out_proj"] = (lambda: [k.multi_linear(out, [a.out_proj.weight]) for a, _ in deltanet],
+                                      sum(nbytes(a.out_proj.weight) for a, _ in deltanet))
+    if attention:
+        def qkv(a):
+            return [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
+
+        o_in = torch.randn(1, cfg.num_attention_heads * cfg.head_dim)
+        parts["attention projections"] = (
+            lambda: [(k.multi_linear(x, qkv(a)), k.multi_linear(o_in, [a.o_proj.weight])) for a in attention],
+            sum(nbytes(*qkv(a), a.o_proj.weight) for a in attention))
+    if isinstance(mlps[0], SparseMoeBlock):
+        def moe():
+            for m in mlps:
+                s = m.shared_expert
+                k.moe_decode(x, m.gate.weight, m.experts.gate_up_proj, m.experts.down_proj, m.gate.top_k,
+                             s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight, m.shared_expert_gate.weight,
+                             kernels.MOE_PIECES)
+
+        def moe_bytes(m):  # the top-k experts (one token), the shared expert and the router
+            share = m.gate.top_k / m.experts.gate_up_proj.shape[0]
+            s = m.shared_expert
+            return (share * nbytes(m.experts.gate_up_proj, m.experts.down_proj)
+                    + nbytes(s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight, m.gate.weight))
+
+        parts["MoE blocks"] = (moe, sum(moe_bytes(m) for m in mlps))
+    else:
+        h = torch.randn(1, cfg.intermediate_size)
+        parts["dense MLPs"] = (
+            lambda: [(k.multi_linear(x, [m.gate_proj.weight, m.up_proj.weight]), k.multi_linear(h, [m.down_proj.weight]))
+                     for m in mlps],
+            sum(nbytes(m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight) for m in mlps))
+    norms = [w for layer in layers for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+    parts["RMS norms"] = (lambda: [k.rms_norm(x, w, eps, 1.0) for w in norms], 0)
+    return parts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument("--weights", default="int4")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=15)
+    args = parser.parse_args()
+    k = kernels._kernels()
+    if k is None:
+        raise SystemExit("the CPU kernels are off or not built (QWEN35_CPU_KERNELS); nothing to measure")
+    model = mm.load_model(args.checkpoint, weights=args.weights)
+    lm = model.lm
+    ids = torch.randint(0, model.config.text.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = lm.make_cache(1, 64)
+        lm(ids, cache=cache, last_only=True)
+        lm(ids[:, -1:], cache=cache)  # one decode step: builds the cache's plan
+    plan = decode._step_plans.get(cache)
+    if plan is None:
+        raise SystemExit("this model has no decode plan (see the message above); nothing to measure")
+    states = decode._states(cache)
+    keep, pos = decode._keep_and_pos(cache, None)
+    step_ids, positions = ids[:, -1], torch.full((3, 1), cache.length, dtype=torch.long)
+    hidden = torch.randn(1, lm.model.norm.weight.numel())
+    angles = 2 * lm.model.rotary_emb.inv_freq.numel()
+    rotary = torch.ones(1, angles), torch.zeros(1, angles)
+    head = lm.lm_head.weight
+    parts = layer_parts(k, lm, cache, model.config.text)
+    probe = ReadBandwidth(1.0)
+    print(f"{args.checkpoint.name}, {args.weights}, batch 1, {torch.get_num_threads()} threads; "
+          f"LM head {nbytes(head) / 1e6:.0f} MB")
+    for _ in range(args.rounds):
+        bandwidth = probe(2)
+        stamps = [time.perf_counter() for e in stream_generate(lm, ids, SamplingParams(max_new_tokens=25))]
+        per_token = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+        step = median_time(lambda: plan.step(step_ids, positions, states, keep, pos), args.calls)
+        layers = median_time(lambda: plan.run(hidden, states, *rotary, keep, pos), args.calls)
+        lm_head = median_time(lambda: k.multi_linear(hidden, [head]), args.calls)
+        print(f"probe {bandwidth / 1e9:.0f} GB/s: generation {per_token * 1e3:.2f} ms a token, step "
+              f"{step * 1e3:.2f} ms, layers {layers * 1e3:.2f} ms, LM head {lm_head * 1e3:.2f} ms "
+              f"({nbytes(head) / lm_head / 1e9:.0f} GB/s)")
+        for name, (fn, moved) in parts.items():
+            t = median_time(fn, args.calls)
+            rate = f", {moved / t / 1e9:.0f} GB/s" if moved else ""
+            print(f"  {name:28s} {t * 1e3:6.2f} ms{rate}")
+
+
+if __name__ == "__main__":
+    main()
