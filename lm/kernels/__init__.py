@@ -119,8 +119,13 @@ def panels(weight: torch.Tensor) -> torch.Tensor:
     row-major products are compute-bound; through the panels they run ~1.6x faster at this
     machine's higher memory bandwidth. The copy costs the weight's memory once more; it is made on
     first use, lives as long as the weight and is remade when the weight is written in place.
-    An empty tensor when the weight does not qualify (see `_eligible`; N must be a multiple of 16)."""
-    if not _eligible(1, weight) or weight.dim() != 2 or weight.shape[0] % 16:
+    Float32 and bf16 weights (a bf16 copy for a bf16 weight); an empty tensor when the weight does
+    not qualify (see `_eligible`; N must be a multiple of 16)."""
+    if weight.dtype == torch.bfloat16:  # a bf16 weight's copy is bf16 (vec.h, panel_load)
+        eligible = weight.numel() >= MIN_WEIGHT_ELEMENTS and weight.is_contiguous()
+    else:
+        eligible = _eligible(1, weight)
+    if not eligible or weight.dim() != 2 or weight.shape[0] % 16:
         return _NO_PANELS
     cached = _panels.get(id(weight))
     if cached is not None and cached[0] == weight._version:
@@ -129,7 +134,7 @@ def panels(weight: torch.Tensor) -> torch.Tensor:
 
     n, k = weight.shape
     full = n // PANEL * PANEL
-    copy = torch.empty(n * k)
+    copy = torch.empty(n * k, dtype=weight.dtype)
     advise_huge_pages([copy])  # streamed like the weights: before the first write
     with torch.no_grad():
         copy[: full * k].view(-1, k, PANEL).copy_(weight[:full].view(-1, PANEL, k).transpose(1, 2))

@@ -1,6 +1,6 @@
 // y = x W^T for a few rows of x (decode batches): x [M, K] float32, W [N, K] row-major in any
 // weight format (formats.h: float32, bf16, Q8_0, Q4_0 blocks) -> y [M, N] float32. With 5-8 rows and
-// a panel copy of a float32 W (see vec.h), through the panels.
+// a panel copy of a float32 or bf16 W (see vec.h), through the panels.
 //
 // Decode reads every weight once per step, so these products are limited by memory bandwidth, not
 // FLOPs, and MKL's GEMV/GEMM for such shapes uses one core (M = 1) or runs far below bandwidth
@@ -23,10 +23,11 @@ Product product(const at::Tensor& x, const at::Tensor& W, const at::Tensor& pane
   TORCH_CHECK(W.dim() == 2, "every weight must be [N, K] (K in its format's row)");
   Product p{x.data_ptr<float>(), x.size(0), x.size(1), rows_of(W, x.size(1)), W.size(0), x.size(1), y.data_ptr<float>()};
   if (panels.defined() && panels.numel()) {
-    TORCH_CHECK(p.W.fmt == F32, "panel copies are of float32 weights only");
-    check(panels, "panels");
+    TORCH_CHECK(p.W.fmt == F32 || p.W.fmt == BF16, "panel copies are of float32 and bf16 weights only");
+    TORCH_CHECK(panels.device().is_cpu() && panels.is_contiguous() && panels.scalar_type() == W.scalar_type(),
+                "panels must be a contiguous CPU tensor in the weight's dtype");
     TORCH_CHECK(panels.numel() == W.numel() && W.size(0) % V == 0, "panels must be a panel copy of the weight");
-    p.panels = panels.data_ptr<float>();
+    p.panels = panels.data_ptr();
   }
   return p;
 }

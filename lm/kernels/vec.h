@@ -295,17 +295,22 @@ inline void block(const float* x, int64_t M, int64_t ldx, const Rows& W, int64_t
 // the read bandwidth at 70-80 GB/s (row-major: 47%), 86% at ~50 GB/s (row-major: 73%).
 constexpr int64_t PANEL = 48;
 
-// y[r * ldy + j] = sum_k xt[k * 8 + r] w[k * V NV + j] for r < R, j < V NV: one panel.
-template <int R, int NV>
-inline void panel_rows(const float* xt, const float* w, int64_t K, float* y, int64_t ldy) {
+// The panel copy of a bf16 weight is in bf16 too (half the bytes; converted in registers, exact).
+inline vec panel_load(const float* w) { return load(w); }
+inline vec panel_load(const uint16_t* w) { return cvt_bf16(reinterpret_cast<const uint8_t*>(w)); }
+
+// y[r * ldy + j] = sum_k xt[k * 8 + r] w[k * V NV + j] for r < R, j < V NV: one panel (E: float or
+// uint16_t, bf16 bits).
+template <int R, int NV, class E>
+inline void panel_rows(const float* xt, const E* w, int64_t K, float* y, int64_t ldy) {
   vec a[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) a[r][v] = vec{};
   for (int64_t k = 0; k < K; ++k, w += NV * V) {
     vec wv[NV];
     for (int v = 0; v < NV; ++v) {
-      prefetch_ahead<R>(w + v * V, PREFETCH_F32_BYTES);  // every line
-      wv[v] = load(w + v * V);
+      prefetch_ahead<R>(w + v * V, PREFETCH_F32_BYTES);  // every line (bf16: every half line)
+      wv[v] = panel_load(w + v * V);
     }
     for (int r = 0; r < R; ++r) {
       const float xs = xt[k * 8 + r];
@@ -316,8 +321,8 @@ inline void panel_rows(const float* xt, const float* w, int64_t K, float* y, int
     for (int v = 0; v < NV; ++v) store(y + r * ldy + v * V, a[r][v]);
 }
 
-template <int R>
-inline void panel_rows(const float* xt, const float* w, int64_t K, int64_t width, float* y, int64_t ldy) {
+template <int R, class E>
+inline void panel_rows(const float* xt, const E* w, int64_t K, int64_t width, float* y, int64_t ldy) {
   switch (width) {  // 16, 32 or PANEL = 48 columns
     case 16: panel_rows<R, 16 / V>(xt, w, K, y, ldy); break;
     case 32: panel_rows<R, 32 / V>(xt, w, K, y, ldy); break;
@@ -326,12 +331,13 @@ inline void panel_rows(const float* xt, const float* w, int64_t K, int64_t width
 }
 
 // Rows [0, M) (5 <= M <= 8) of x, given transposed as xt [K, 8], times panels [p0, p1) of a panel
-// copy of W [N, K] -> y[:, p0*48 : p1*48] (row stride ldy).
-inline void panel_block(const float* xt, int64_t M, const float* panels, int64_t K, int64_t N, int64_t p0,
+// copy of W [N, K] (float32, or bf16 bits) -> y[:, p0*48 : p1*48] (row stride ldy).
+template <class E>
+inline void panel_block(const float* xt, int64_t M, const E* panels, int64_t K, int64_t N, int64_t p0,
                         int64_t p1, float* y, int64_t ldy) {
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t n = p * PANEL, width = std::min(PANEL, N - n);
-    const float* w = panels + n * K;
+    const E* w = panels + n * K;
     switch (M) {
       case 5: panel_rows<5>(xt, w, K, width, y + n, ldy); break;
       case 6: panel_rows<6>(xt, w, K, width, y + n, ldy); break;
@@ -348,14 +354,15 @@ inline void panel_block(const float* xt, int64_t M, const float* panels, int64_t
 inline int64_t rows_per_task(int64_t K) { return std::max<int64_t>(4, QWEN35_TASK_FLOATS / std::max<int64_t>(K, 1)); }
 
 // One weight matrix of a product list: x [M, K] (row stride ldx) times W [N, K] (any format) -> y
-// [M, N]; with `panels` (a panel copy of a float32 W, or null) and 5-8 rows, through the panels.
+// [M, N]; with `panels` (a panel copy of a float32 or bf16 W, in W's format, or null) and 5-8 rows,
+// through the panels.
 struct Product {
   const float* x;
   int64_t M, ldx;
   Rows W;
   int64_t N, K;
   float* y;
-  const float* panels = nullptr;
+  const void* panels = nullptr;
   bool by_panels() const { return panels && M >= 5; }
 };
 
@@ -414,8 +421,12 @@ inline void run_products(const std::vector<Product>& products) {
     const int64_t i = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
     const Product& p = products[i];
     const int64_t step = task_rows(p), n0 = (t - first[i]) * step, n1 = std::min(p.N, n0 + step);
-    if (p.by_panels())
-      panel_block(xt[i].data(), p.M, p.panels, p.K, p.N, n0 / PANEL, (n1 + PANEL - 1) / PANEL, p.y, p.N);
+    if (p.by_panels() && p.W.fmt == BF16)
+      panel_block(xt[i].data(), p.M, static_cast<const uint16_t*>(p.panels), p.K, p.N, n0 / PANEL,
+                  (n1 + PANEL - 1) / PANEL, p.y, p.N);
+    else if (p.by_panels())
+      panel_block(xt[i].data(), p.M, static_cast<const float*>(p.panels), p.K, p.N, n0 / PANEL,
+                  (n1 + PANEL - 1) / PANEL, p.y, p.N);
     else if (int8_path(p.W))
       block_i8(xq[i], p.M, p.W, n0, n1, p.y, p.N);
     else if (pairs_path(p.W, p.M))

@@ -40,11 +40,13 @@ def _count_fast_steps(monkeypatch) -> list[bool]:
     return used
 
 
-@pytest.mark.parametrize("kind,batch", [("moe_text", 3), ("dense_vl", 3), ("moe_text", 6), ("dense_vl", 8)])
-def test_fast_decode_equals_reference_layers(checkpoints, monkeypatch, kind, batch):
-    """Batches of 6 and 8 stream panel copies of the mixers', dense MLPs' and LM head's weights."""
+@pytest.mark.parametrize("kind,batch,weights", [("moe_text", 3, "auto"), ("dense_vl", 3, "auto"), ("moe_text", 6, "auto"),
+                                                 ("dense_vl", 8, "auto"), ("dense_vl", 8, "bf16")])
+def test_fast_decode_equals_reference_layers(checkpoints, monkeypatch, kind, batch, weights):
+    """Batches of 6 and 8 stream panel copies of the mixers', dense MLPs' and LM head's weights (of
+    bf16 weights, bf16 copies)."""
     _, path = checkpoints(kind)
-    model = mm.load_model(path)
+    model = mm.load_model(path, weights=weights)
     monkeypatch.setattr(lm.kernels, "MIN_WEIGHT_ELEMENTS", 0)  # the tiny weights take the kernels too
     monkeypatch.setattr(lm.kernels, "PANEL_ROWS", 5)  # panels on whatever this CPU's default
     ids = torch.randint(3, 500, (batch, 14), generator=torch.Generator().manual_seed(11))

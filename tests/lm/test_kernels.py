@@ -25,21 +25,23 @@ def test_small_m_linear_equals_f_linear(kernels_on, rows, shape):
     assert kernels.linear(x3, w).shape == (1, rows, shape[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # a bf16 weight's copy is bf16
 @pytest.mark.parametrize("rows", [4, 5, 8])  # from kernels.PANEL_ROWS on, decode rows take the panel copy
 @pytest.mark.parametrize("n", [96, 112, 80])  # whole panels of 48; a last panel of 16; of 32
-def test_decode_products_through_panel_copies_equal_f_linear(kernels_on, monkeypatch, rows, n):
+def test_decode_products_through_panel_copies_equal_f_linear(kernels_on, monkeypatch, rows, n, dtype):
     monkeypatch.setattr(kernels, "PANEL_ROWS", 5)  # on whatever this CPU's default (never on AVX2)
     g = torch.Generator().manual_seed(n)
-    x, w, b = torch.randn(rows, 1, 70, generator=g), torch.randn(n, 70, generator=g), torch.randn(n, generator=g)
-    assert rel_err(kernels.linear(x, w, b), F.linear(x, w, b)) < 1e-5
+    x, w, b = torch.randn(rows, 1, 70, generator=g), torch.randn(n, 70, generator=g).to(dtype), torch.randn(n, generator=g)
+    assert rel_err(kernels.linear(x, w, b), F.linear(x, w.float(), b)) < 1e-5
     assert (id(w) in kernels._panels) == (rows >= kernels.PANEL_ROWS)
     if rows < kernels.PANEL_ROWS:
         return
+    assert kernels._panels[id(w)][1].dtype == dtype
     kernels._panels[id(w)][1].zero_()  # the copy, not the weight, is what the product reads
     assert kernels.linear(x, w).abs().max() == 0
     with torch.no_grad():
         w.mul_(2)  # written in place: the copy is stale and is made again
-    assert rel_err(kernels.linear(x, w, b), F.linear(x, w, b)) < 1e-5
+    assert rel_err(kernels.linear(x, w, b), F.linear(x, w.float(), b)) < 1e-5
     key = id(w)
     del w
     assert key not in kernels._panels  # a copy goes with its weight
