@@ -25,6 +25,7 @@ import torch
 
 import mm
 from bench.limits import ReadBandwidth
+from bench.lm import median
 from lm import SamplingParams, decode, kernels, stream_generate
 from lm.moe import SparseMoeBlock
 
@@ -34,12 +35,12 @@ def nbytes(*tensors) -> int:
 
 
 def median_time(fn, calls: int) -> float:
-    times = []
-    for _ in range(calls):
+    def once() -> float:
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[calls // 2]
+        return time.perf_counter() - start
+
+    return median([once() for _ in range(calls)])
 
 
 def layer_parts(k, lm, cache, cfg) -> dict:

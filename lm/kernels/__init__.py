@@ -119,13 +119,10 @@ def panels(weight: torch.Tensor) -> torch.Tensor:
     row-major products are compute-bound; through the panels they run ~1.6x faster at this
     machine's higher memory bandwidth. The copy costs the weight's memory once more; it is made on
     first use, lives as long as the weight and is remade when the weight is written in place.
-    Float32 and bf16 weights (a bf16 copy for a bf16 weight); an empty tensor when the weight does
-    not qualify (see `_eligible`; N must be a multiple of 16)."""
-    if weight.dtype == torch.bfloat16:  # a bf16 weight's copy is bf16 (vec.h, panel_load)
-        eligible = weight.numel() >= MIN_WEIGHT_ELEMENTS and weight.is_contiguous()
-    else:
-        eligible = _eligible(1, weight)
-    if not eligible or weight.dim() != 2 or weight.shape[0] % 16:
+    Float32 and bf16 weights (a bf16 copy for a bf16 weight: vec.h, panel_load) of at least
+    MIN_WEIGHT_ELEMENTS, contiguous, [N, K] with N a multiple of 16; else an empty tensor."""
+    if (weight.dtype not in (torch.float32, torch.bfloat16) or weight.numel() < MIN_WEIGHT_ELEMENTS
+            or not weight.is_contiguous() or weight.dim() != 2 or weight.shape[0] % 16):
         return _NO_PANELS
     cached = _panels.get(id(weight))
     if cached is not None and cached[0] == weight._version:

@@ -119,10 +119,8 @@ struct Routing {
     for (int64_t s = 0; s < S; ++s) slot[s] = fill[chosen[s]]++;
     row_token.resize(S);
     row_weight.resize(S);
-    if (xq_in) {
-      const int64_t nb = H / QK;
-      xq.K = H, xq.q.resize(S * H), xq.d.resize(S * nb), xq.sum8.resize(S * nb);
-    }
+    const int64_t nb = H / QK;  // Q8_0 blocks a row
+    if (xq_in) xq.K = H, xq.q.resize(S * H), xq.d.resize(S * nb), xq.sum8.resize(S * nb);
     for (int64_t s = 0; s < S; ++s) {
       const int64_t n = s / top_k, r = slot[s];
       row_token[r] = n;
@@ -132,7 +130,6 @@ struct Routing {
         std::copy(x + n * H, x + (n + 1) * H, xs + r * H);
         continue;
       }
-      const int64_t nb = H / QK;
       std::copy_n(xq_in->q.data() + n * H, H, xq.q.data() + r * H);
       std::copy_n(xq_in->d.data() + n * nb, nb, xq.d.data() + r * nb);
       std::copy_n(xq_in->sum8.data() + n * nb, nb, xq.sum8.data() + r * nb);
@@ -198,10 +195,10 @@ at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::T
   std::vector<Expert>& experts = ws.experts;
   float *logits = ws.logits.data(), *gate_logit = ws.gate_logit.data(), *shared_weight = ws.shared_weight.data();
   float* partial = ws.partial.data();
-  const bool int8 = int8_path(sg), routed_int8 = int8_path(gu);
-  if (int8 || routed_int8) quantize_x(xp, N, H, H, ws.xq);  // once, for the shared and the routed experts
+  const bool shared_int8 = int8_path(sg), routed_int8 = int8_path(gu);
+  if (shared_int8 || routed_int8) quantize_x(xp, N, H, H, ws.xq);  // once, for the shared and the routed experts
   experts[0] = {xp, N, sg, su, sd, Is, ws.acts.data(), ws.tokens.data(), shared_weight, &ready[0],
-                int8 ? &ws.xq : nullptr, 0};
+                shared_int8 ? &ws.xq : nullptr, 0};
   Routing& routing = ws.routing;
   routing.logits = logits, routing.N = N, routing.E = E, routing.top_k = top_k, routing.H = H, routing.I = I;
   routing.x = xp, routing.xq_in = routed_int8 ? &ws.xq : nullptr, routing.gate_up = gu, routing.down = dn;

@@ -347,6 +347,15 @@ inline void panel_block(const float* xt, int64_t M, const E* panels, int64_t K, 
   }
 }
 
+// The same for a panel copy in the format of its weight (F32 or BF16).
+inline void panel_block(const float* xt, int64_t M, Fmt fmt, const void* panels, int64_t K, int64_t N, int64_t p0,
+                        int64_t p1, float* y, int64_t ldy) {
+  if (fmt == BF16)
+    panel_block(xt, M, static_cast<const uint16_t*>(panels), K, N, p0, p1, y, ldy);
+  else
+    panel_block(xt, M, static_cast<const float*>(panels), K, N, p0, p1, y, ldy);
+}
+
 // Weight floats per parallel task (~64 KiB; 32 and 64 Ki floats measured the same). -D to experiment.
 #ifndef QWEN35_TASK_FLOATS
 #define QWEN35_TASK_FLOATS 16384
@@ -421,12 +430,8 @@ inline void run_products(const std::vector<Product>& products) {
     const int64_t i = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
     const Product& p = products[i];
     const int64_t step = task_rows(p), n0 = (t - first[i]) * step, n1 = std::min(p.N, n0 + step);
-    if (p.by_panels() && p.W.fmt == BF16)
-      panel_block(xt[i].data(), p.M, static_cast<const uint16_t*>(p.panels), p.K, p.N, n0 / PANEL,
-                  (n1 + PANEL - 1) / PANEL, p.y, p.N);
-    else if (p.by_panels())
-      panel_block(xt[i].data(), p.M, static_cast<const float*>(p.panels), p.K, p.N, n0 / PANEL,
-                  (n1 + PANEL - 1) / PANEL, p.y, p.N);
+    if (p.by_panels())
+      panel_block(xt[i].data(), p.M, p.W.fmt, p.panels, p.K, p.N, n0 / PANEL, (n1 + PANEL - 1) / PANEL, p.y, p.N);
     else if (int8_path(p.W))
       block_i8(xq[i], p.M, p.W, n0, n1, p.y, p.N);
     else if (pairs_path(p.W, p.M))
