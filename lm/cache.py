@@ -110,17 +110,34 @@ class Cache:
             if self.length + 1 > self.max_len:
                 raise CacheOverflowError(f"a row of {self.length + 1} tokens does not fit in max_len={self.max_len}")
             return
+        end = self._end(num_tokens)
+        real = True if attention_mask is None else attention_mask.bool()
+        self.key_mask[:, self.length : end] = real
+        # once a row has padding, attention needs the key mask; until then a decode step (one token
+        # per row, all real) skips building it (attention_mask_for)
+        self.padded = self.padded or (attention_mask is not None and not bool(real.all()))
+
+    def begin_token(self) -> None:
+        """`begin(None, 1)` of a CPU cache (the steps of the CPU decode plan, lm/decode.py): one real
+        token per row, its column of the key mask written through a numpy view. (Right after a
+        decode step's weight stream a tensor operation from Python costs 30-80 us.)"""
+        if self.lengths is not None:
+            return self.begin(None, 1)
+        column = self._end(1) - 1
+        view = getattr(self, "_key_mask_view", None)  # (the mask it views, the view): `keep` replaces the mask
+        if view is None or view[0] is not self.key_mask:
+            view = self._key_mask_view = (self.key_mask, self.key_mask.numpy())
+        view[1][:, column] = True
+
+    def _end(self, num_tokens: int) -> int:
+        """The end of the next `num_tokens` positions, which must fit in max_len."""
         end = self.length + num_tokens
         if end > self.max_len:
             raise CacheOverflowError(
                 f"{end} tokens do not fit in a cache made for max_len={self.max_len}; "
                 "shorten the prompt or ask for fewer new tokens"
             )
-        real = True if attention_mask is None else attention_mask.bool()
-        self.key_mask[:, self.length : end] = real
-        # once a row has padding, attention needs the key mask; until then a decode step (one token
-        # per row, all real) skips building it (attention_mask_for)
-        self.padded = self.padded or (attention_mask is not None and not bool(real.all()))
+        return end
 
     def advance(self, num_tokens: int) -> None:
         if self.lengths is not None:

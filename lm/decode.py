@@ -11,7 +11,8 @@ the fused MoE block (or a SwiGLU); the residual adds; the final norm.
 
 `decode_logits` goes one step further for token ids (the engines' decode steps): the same plan's
 `step` also gathers the embeddings, computes the rotary angles and applies the LM head, so that a
-step is one call from token ids to logits. (Every tensor operation Python runs between the weight
+step is one call from token ids to logits; `step_tokens` takes the ids and positions as Python ints
+(the engine's loop after the first decode step), so that no tensor is built in Python at all. (Every tensor operation Python runs between the weight
 streams runs cache-cold, ~10-100 us each: the ~30 of the embedding, rotary, head and module calls
 cost ~0.5 ms of a ~14 ms int4 step of the benchmark model.)
 
@@ -78,6 +79,23 @@ def decode_logits(lm, input_ids: torch.Tensor, positions: torch.Tensor, cache: C
         _step_plans[cache] = plan
     keep, pos = _keep_and_pos(cache, None if cache.lengths is not None else attention_mask_for(cache, 1))
     return plan.step(input_ids, positions, _states(cache), keep, pos)[:, None]
+
+
+def step_tokens(cache: Cache, tokens: list[int], positions: list[int]) -> torch.Tensor | None:
+    """Logits [B, vocab] of one decode step from Python ints: each row's token and its position (on
+    all three mRoPE axes, as a generated token's), through the plan `decode_logits` made on the
+    generation's first step; None when the cache has none (the caller calls the model). The same
+    step as `lm(ids, positions=..., cache=cache)`, with no tensor built in Python around it: each
+    tensor operation there runs cache-cold after the step's weight stream (30-80 us each)."""
+    plan = _step_plans.get(cache)
+    if plan is None or cache.lengths is not None:
+        return None
+    cache.begin_token()
+    keep = attention_mask_for(cache, 1)
+    keep = _NO_MASK if keep is None else keep.reshape(cache.batch, -1)
+    logits = plan.step_tokens(tokens, positions, _states(cache), keep, [cache.length] * len(tokens))
+    cache.advance(1)
+    return logits
 
 
 def _plan(k, model, cache: Cache, rows: int):

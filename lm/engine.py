@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .decode import step_tokens
 from .model import CausalLM
 from .sampling import Sampler, SamplingParams
 
@@ -56,6 +57,7 @@ def stream_generate(
     logits, next_pos = _prefill(lm, cache, input_ids, mask, inputs_embeds, positions, prefill_chunk)
     sampler = Sampler(params, prompts, device=logits.device)
     rows, outputs = list(range(b)), [[] for _ in range(b)]
+    positions = next_pos.tolist()  # each live row's next position, as Python ints
     while rows:
         tokens = sampler(logits, rows, outputs)
         alive = []
@@ -70,14 +72,18 @@ def stream_generate(
         if not alive:
             return
         if len(alive) < len(rows):
-            keep = torch.tensor(alive, device=next_pos.device)
-            cache.keep(keep)
-            next_pos = next_pos[keep]
+            cache.keep(torch.tensor(alive, device=next_pos.device))
             rows = [rows[i] for i in alive]
             tokens = [tokens[i] for i in alive]
-        x = torch.tensor([[token] for token in tokens], device=next_pos.device)  # [B', 1]
-        logits = lm(x, positions=next_pos[None, :, None].expand(3, -1, 1), cache=cache)[:, -1]
-        next_pos = next_pos + 1
+            positions = [positions[i] for i in alive]
+        # the CPU decode plan's step from Python ints (lm/decode.py), once the model's first decode
+        # step has made it; else the model
+        logits = step_tokens(cache, tokens, positions)
+        if logits is None:
+            x = torch.tensor([[token] for token in tokens], device=next_pos.device)  # [B', 1]
+            pos = torch.tensor(positions, device=next_pos.device)
+            logits = lm(x, positions=pos[None, :, None].expand(3, -1, 1), cache=cache)[:, -1]
+        positions = [p + 1 for p in positions]
 
 
 def generate(lm: CausalLM, input_ids: torch.Tensor, params, **kwargs) -> list[list[int]]:

@@ -49,14 +49,9 @@ Best scan(const float* x, int64_t i0, int64_t i1) {
   return b;
 }
 
-}  // namespace
-
-int64_t argmax(at::Tensor x) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 1 && x.is_contiguous() && x.numel() > 0 &&
-                  x.numel() < (int64_t(1) << 31),
-              "argmax: x must be a non-empty contiguous float32 vector of fewer than 2^31 values");
-  const float* p = x.data_ptr<float>();
-  const int64_t n = x.numel(), T = n < (1 << 15) ? 1 : at::get_num_threads();
+// The argmax of x[0, n) on all threads (one part each from 32k values on).
+int64_t argmax_of(const float* p, int64_t n) {
+  const int64_t T = n < (1 << 15) ? 1 : at::get_num_threads();
   std::vector<Best> parts(T);
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) parts[t] = scan(p, n * t / T, n * (t + 1) / T);
@@ -68,4 +63,24 @@ int64_t argmax(at::Tensor x) {
     if (best.index < 0 || b.value > best.value) best = b;
   }
   return best.index;
+}
+
+}  // namespace
+
+int64_t argmax(at::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 1 && x.is_contiguous() && x.numel() > 0 &&
+                  x.numel() < (int64_t(1) << 31),
+              "argmax: x must be a non-empty contiguous float32 vector of fewer than 2^31 values");
+  return argmax_of(x.data_ptr<float>(), x.numel());
+}
+
+std::vector<int64_t> argmax_rows(at::Tensor x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0 &&
+                  x.size(1) < (int64_t(1) << 31),
+              "argmax_rows: x must be a float32 CPU [B, V] tensor with 0 < V < 2^31");
+  x = x.contiguous();
+  std::vector<int64_t> out(x.size(0));
+  const float* p = x.data_ptr<float>();
+  for (int64_t b = 0; b < x.size(0); ++b) out[b] = argmax_of(p + b * x.size(1), x.size(1));
+  return out;
 }

@@ -29,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one query token per row over the KV cache (GQA); lengths [B] int64 per row, or empty: all keys");
   m.def("rms_norm", &rms_norm, "x / rms(x) * (offset + w) per row");
   m.def("argmax", &argmax, "the index of the first largest value of a float32 vector, or of its first NaN (numpy's rules)");
+  m.def("argmax_rows", &argmax_rows, "argmax of each row of a float32 [B, V] tensor (argmax's rules)");
   m.def("causal_conv", &causal_conv, "depthwise causal conv + SiLU along time, one pass (prefill)");
   // module_local: two builds of these kernels can be loaded in one process (an A/B of two versions)
   py::class_<DecodePlan>(m, "DecodePlan", py::module_local(), "a whole decode step through the layer stack (see kernels.h)")
@@ -42,5 +43,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &DecodePlan::run)
       .def("set_ends", &DecodePlan::set_ends)
       .def("has_ends", &DecodePlan::has_ends)
-      .def("step", &DecodePlan::step);
+      .def("step", &DecodePlan::step)
+      .def("step_tokens", &DecodePlan::step_tokens);
 }

@@ -142,3 +142,14 @@ at::Tensor DecodePlan::step(at::Tensor ids, at::Tensor positions, std::vector<at
   }
   return products(run(x, std::move(states), cos, sin, keep, pos), {head_})[0];
 }
+
+at::Tensor DecodePlan::step_tokens(std::vector<int64_t> ids, std::vector<int64_t> positions,
+                                   std::vector<at::Tensor> states, at::Tensor keep, std::vector<int64_t> pos) const {
+  const int64_t B = ids.size();
+  TORCH_CHECK(B > 0 && int64_t(positions.size()) == B && int64_t(pos.size()) == B,
+              "step_tokens: one token, one position and one cache position per row");
+  const auto longs = at::TensorOptions().dtype(at::kLong);
+  auto p = at::empty({3, B}, longs);
+  for (int64_t axis = 0; axis < 3; ++axis) std::copy(positions.begin(), positions.end(), p.data_ptr<int64_t>() + axis * B);
+  return step(at::from_blob(ids.data(), {B}, longs), p, std::move(states), keep, at::from_blob(pos.data(), {B}, longs));
+}

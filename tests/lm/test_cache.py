@@ -77,3 +77,26 @@ def test_key_mask_is_built_only_once_a_row_has_padding(checkpoints):
     cache.begin(None, 1)
     mask = attention_mask_for(cache, 1)
     assert mask is not None and mask[:, 0, 0].tolist() == [[True] * 8, [True] * 5 + [False, True, True]]
+
+
+def test_begin_token_marks_the_same_key_mask_as_begin(checkpoints):
+    """begin_token (the CPU decode plan's steps) writes the key mask through a numpy view: the same
+    column begin(None, 1) writes, into the mask `keep` puts in place too; a full cache refuses it."""
+    _, path = checkpoints("moe_text")
+    lm = mm.load_model(path).lm
+    caches = [lm.make_cache(3, 6), lm.make_cache(3, 6)]
+    for cache in caches:
+        cache.begin(torch.tensor([[1, 1, 1], [0, 1, 1], [0, 0, 1]]), 3)
+        cache.advance(3)
+    for step in range(3):
+        if step == 1:
+            for cache in caches:
+                cache.keep(torch.tensor([2, 0]))
+        caches[0].begin(None, 1)
+        caches[1].begin_token()
+        for cache in caches:
+            cache.advance(1)
+        assert torch.equal(caches[0].key_mask, caches[1].key_mask)
+    assert caches[1].key_mask.tolist() == [[False, False, True, True, True, True], [True] * 6]
+    with pytest.raises(CacheOverflowError, match="max_len=6"):
+        caches[1].begin_token()

@@ -3,8 +3,11 @@
 import pytest
 import torch
 
+import lm.engine
 import lm.model
 import mm
+from lm import SamplingParams, stream_generate
+from lm.decode import step_tokens
 from tests.conftest import rel_err
 
 
@@ -163,3 +166,66 @@ def test_one_call_step_refuses_a_token_outside_the_vocabulary(checkpoints, monke
                 model.lm(torch.tensor([[vocab]]), cache=cache)
             assert cache.length == 2
             assert torch.isfinite(model.lm(torch.tensor([[7]]), cache=cache)).all()
+
+
+def test_decode_steps_from_python_ints_equal_the_models(checkpoints, monkeypatch):
+    """step_tokens (the engine's decode loop; tokens and positions as Python ints) gives the logits
+    and the cache of the model's own decode step, after a left-padded prompt (the key mask) and
+    after a row is dropped (cache.keep); with no plan yet (a fresh cache) it declines."""
+    _, path = checkpoints("moe_vl")
+    model = mm.load_model(path)
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    ids = torch.randint(3, 500, (3, 10), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(3, 6, dtype=torch.long)
+    mask[1, :2] = 0
+
+    def run(ints: bool):
+        cache, out, rows = model.lm.make_cache(3, 10), [], [0, 1, 2]
+        with torch.no_grad():
+            model.lm(ids[:, :6], attention_mask=mask, cache=cache)
+            positions = mask.sum(-1).tolist()
+            for i in range(6, 10):
+                if i == 8:
+                    cache.keep(torch.tensor([0, 2]))
+                    rows, positions = [0, 2], [positions[0], positions[2]]
+                logits = step_tokens(cache, ids[rows, i].tolist(), positions) if ints else None
+                assert (logits is None) == (not ints or i == 6)  # the model's first step makes the plan
+                if logits is None:
+                    pos = torch.tensor(positions)[None, :, None].expand(3, -1, 1)
+                    logits = model.lm(ids[rows, i : i + 1], positions=pos, cache=cache)[:, -1]
+                out.append(logits)
+                positions = [p + 1 for p in positions]
+        return out, cache
+
+    (ours, cache), (theirs, reference) = run(True), run(False)
+    assert all(rel_err(a, b) < 1e-6 for a, b in zip(ours, theirs))  # (the MoE threads take pieces in any order)
+    assert cache.length == reference.length and torch.equal(cache.key_mask, reference.key_mask)
+
+
+def test_generation_decodes_through_python_ints(checkpoints, monkeypatch):
+    """stream_generate takes step_tokens for every decode step after the first, and its tokens
+    equal the reference layers' (no kernels), rows finishing at different lengths included."""
+    _, path = checkpoints("moe_text")
+    model = mm.load_model(path)
+    ids = torch.randint(3, 500, (2, 7), generator=torch.Generator().manual_seed(6))
+    params = [SamplingParams(max_new_tokens=3), SamplingParams(max_new_tokens=6)]
+    taken = []
+
+    def counting(*args):
+        out = step_tokens(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(lm.engine, "step_tokens", counting)
+
+    def tokens():
+        out = [[], []]
+        for event in stream_generate(model.lm, ids, params):
+            out[event.row].append(event.token)
+        return out
+
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    ours = tokens()
+    assert taken == [False] + [True] * 4  # 5 decode steps: the first makes the plan
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "0")
+    assert ours == tokens() and [len(t) for t in ours] == [3, 6]

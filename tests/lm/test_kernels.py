@@ -332,3 +332,22 @@ def test_argmax_kernel_follows_numpy_across_threads_ties_and_nan(monkeypatch, th
         torch.set_num_threads(before)
     with pytest.raises(RuntimeError, match="non-empty contiguous float32"):
         k.argmax(torch.zeros(0))
+
+
+def test_argmax_rows_equals_argmax_of_each_row(monkeypatch):
+    """argmax_rows (the greedy sampler's one call for a batch): each row's argmax, rows of ties,
+    NaNs and infinities included, strided rows too; anything but a float32 matrix is refused."""
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    k, g = kernels._kernels(), torch.Generator().manual_seed(2)
+    for n in (1, 9, 1 << 15, 248_320):
+        x = torch.randint(-3, 3, (5, n), generator=g).float()
+        x[1] = torch.randn(n, generator=g)
+        x[2, n // 2] = float("nan")
+        x[3] = float("-inf")
+        x[4, -1] = float("inf")
+        assert k.argmax_rows(x) == [int(row.numpy().argmax()) for row in x], n
+    strided = torch.randn(3, 2 * n, generator=g)[:, ::2]
+    assert k.argmax_rows(strided) == [int(row.numpy().argmax()) for row in strided]
+    for bad in (torch.zeros(4), torch.zeros(2, 0), torch.zeros(2, 3, dtype=torch.float64)):
+        with pytest.raises(RuntimeError, match="float32 CPU"):
+            k.argmax_rows(bad)

@@ -25,6 +25,23 @@ def test_argmax_follows_torch_on_ties_nan_and_infinities(monkeypatch, cpu_kernel
         assert argmax(strided) == int(scores.argmax())
 
 
+@pytest.mark.parametrize("cpu_kernels", ["0", "1"])  # per row, or the kernel's one call for all rows
+def test_plain_greedy_batches_pick_each_rows_argmax(monkeypatch, cpu_kernels):
+    """A sampler whose rows are all greedy without penalties picks every row's argmax (with the
+    kernels, in one call); a penalised row sends the batch through the per-row path."""
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", cpu_kernels)
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
+    logits[1, [7, 300]] = 9.0  # a tie: the first
+    logits[2, 500] = float("nan")
+    logits[3] = float("-inf")
+    expected = [int(row.argmax()) for row in logits]
+    sampler = Sampler([SamplingParams()] * 4, [[]] * 4)
+    assert sampler.plain_greedy and sampler(logits, [0, 1, 2, 3], [[]] * 4) == expected
+    penalised = Sampler([SamplingParams(), SamplingParams(repetition_penalty=2.0)], [[], [expected[1]]])
+    assert not penalised.plain_greedy
+    assert penalised(logits[:2], [0, 1], [[], []]) == [expected[0], 300]  # 7 halved
+
+
 def test_top_k_top_p_min_p_filters():
     scores = torch.log(torch.tensor([0.25, 0.5, 0.15, 0.07, 0.03]))
     ids, probs = _candidates(scores, SamplingParams(temperature=1, top_k=2))
