@@ -4,8 +4,9 @@
 
 Loads a checkpoint in one format and builds its decode plan (lm/decode.py) on a short prompt, then
 per round, with the read bandwidth probed before it:
-- a greedy generation (ms per token), the whole C++ step (`DecodePlan.step`: embeddings, layers,
-  final norm, LM head; the difference is the Python around it: sampling, cache bookkeeping);
+- a greedy generation (ms per token, and the time per token outside its C++ steps: the Python
+  around them, sampling and cache bookkeeping), the whole C++ step alone (`DecodePlan.step`:
+  embeddings, layers, final norm, LM head);
 - the layers alone (`DecodePlan.run`) and the LM head product alone;
 - each part of the layers over all layers in turn (their weights from memory, as in a step): the
   DeltaNet input projections (one call), its token step (conv, gates, delta rule, norm; its state
@@ -26,7 +27,7 @@ import torch
 import mm
 from bench.limits import ReadBandwidth
 from bench.lm import median
-from lm import SamplingParams, decode, kernels, stream_generate
+from lm import SamplingParams, decode, engine, kernels, stream_generate
 from lm.moe import SparseMoeBlock
 
 
@@ -41,6 +42,44 @@ def median_time(fn, calls: int) -> float:
         return time.perf_counter() - start
 
     return median([once() for _ in range(calls)])
+
+
+class TimedPlan:
+    """A decode plan whose `step_tokens` calls (the generation's C++ steps) add up their time."""
+
+    def __init__(self, plan):
+        self.plan, self.seconds, self.calls = plan, 0.0, 0
+
+    def step_tokens(self, *args):
+        start = time.perf_counter()
+        try:
+            return self.plan.step_tokens(*args)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+
+def generation(lm, ids, new: int) -> tuple[float, float]:
+    """A greedy generation of `new` tokens: (seconds a token, seconds a token outside the C++ steps),
+    over the steps after the first (which builds the plan and runs through the model)."""
+    timed = []
+
+    def timed_step(cache, tokens, positions):
+        if not timed and (plan := decode._step_plans.get(cache)) is not None:
+            timed.append(TimedPlan(plan))
+            decode._step_plans[cache] = timed[0]
+        return decode.step_tokens(cache, tokens, positions)
+
+    engine.step_tokens = timed_step
+    try:
+        stamps = [time.perf_counter() for e in stream_generate(lm, ids, SamplingParams(max_new_tokens=new))]
+    finally:
+        engine.step_tokens = decode.step_tokens
+    steps = len(stamps) - 2  # events 2.. each follow one step_tokens call
+    if not timed or timed[0].calls != steps:
+        raise SystemExit("the generation did not decode through step_tokens; nothing to measure")
+    per_token = (stamps[-1] - stamps[1]) / steps
+    return per_token, per_token - timed[0].seconds / steps
 
 
 def layer_parts(k, lm, cache, cfg) -> dict:
@@ -137,12 +176,12 @@ def main() -> None:
           f"LM head {nbytes(head) / 1e6:.0f} MB")
     for _ in range(args.rounds):
         bandwidth = probe(2)
-        stamps = [time.perf_counter() for e in stream_generate(lm, ids, SamplingParams(max_new_tokens=25))]
-        per_token = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+        per_token, python = generation(lm, ids, 25)
         step = median_time(lambda: plan.step(step_ids, positions, states, keep, pos), args.calls)
         layers = median_time(lambda: plan.run(hidden, states, *rotary, keep, pos), args.calls)
         lm_head = median_time(lambda: k.multi_linear(hidden, [head]), args.calls)
-        print(f"probe {bandwidth / 1e9:.0f} GB/s: generation {per_token * 1e3:.2f} ms a token, step "
+        print(f"probe {bandwidth / 1e9:.0f} GB/s: generation {per_token * 1e3:.2f} ms a token (Python around its "
+              f"C++ steps {python * 1e3:.2f} ms), step "
               f"{step * 1e3:.2f} ms, layers {layers * 1e3:.2f} ms, LM head {lm_head * 1e3:.2f} ms "
               f"({nbytes(head) / lm_head / 1e9:.0f} GB/s)")
         for name, (fn, moved) in parts.items():
