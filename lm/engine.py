@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .decode import step_tokens
 from .model import CausalLM
 from .sampling import Sampler, SamplingParams
@@ -47,6 +48,15 @@ def stream_generate(
     `positions` [3, B, T] are the prompt's mRoPE positions (default: text positions).
     `stop_when(row, tokens)` may end a row early (e.g. on a stop string); it finishes with "stop".
     """
+    try:
+        yield from _generate(lm, input_ids, params, attention_mask, inputs_embeds, positions, eos_token_ids,
+                             prefill_chunk, max_len, stop_when)
+    finally:  # the next generation may run on another thread (kernels.release_openmp_workers)
+        kernels.release_openmp_workers()
+
+
+def _generate(lm, input_ids, params, attention_mask, inputs_embeds, positions, eos_token_ids, prefill_chunk,
+              max_len, stop_when) -> Iterator[TokenEvent]:
     b, t = input_ids.shape
     params = list(params) if isinstance(params, (list, tuple)) else [params] * b
     if len(params) != b:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .model import CausalLM
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams, TokenRule
@@ -209,6 +210,8 @@ class Engine:
                 f"this request needs {need} positions of cache (a {t}-token prompt + max_new_tokens="
                 f"{params.max_new_tokens}), more than one slot of this engine holds ({self.max_len}); "
                 "shorten it or make the engine with a larger max_len")  # fmt: skip
+        if threading.current_thread() is not self._thread:  # this thread's work is done: its OpenMP workers
+            kernels.release_openmp_workers()  # would slow the engine thread's (kernels.release_openmp_workers)
         with self._cond:
             if self._closed:
                 raise EngineClosedError("the engine is closed")

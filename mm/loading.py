@@ -10,6 +10,7 @@ import torch
 from lm import CheckpointReader, WeightError, load_lm_weights
 from lm.formats import policy
 from lm.hugepages import advise_huge_pages, gather_into_huge_pages
+from lm.kernels import release_openmp_workers
 from lm.malloc import release_large_buffers
 from lm.weights import heads_tied, lm_param_name, use_formats
 from vision import load_vision_weights
@@ -69,6 +70,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         shown = ", ".join(unexpected[:8]) + (f" (and {len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
         raise WeightError(f"checkpoint has {len(unexpected)} tensor(s) this model does not use: {shown}")
     model.generation_config = _generation_config(path)
+    release_openmp_workers()  # generation may run on another thread (lm.kernels.release_openmp_workers)
     return model.eval().requires_grad_(False)
 
 

@@ -1,5 +1,6 @@
 // The Python module of the CPU kernels (one module, one build; the kernels live in their own files).
 
+#include <omp.h>
 #include <torch/extension.h>
 
 #include "formats.h"
@@ -29,6 +30,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one query token per row over the KV cache (GQA); lengths [B] int64 per row, or empty: all keys");
   m.def("rms_norm", &rms_norm, "x / rms(x) * (offset + w) per row");
   m.def("argmax", &argmax, "the index of the first largest value of a float32 vector, or of its first NaN (numpy's rules)");
+  // the calling thread's OpenMP worker threads end (its next parallel region starts new ones):
+  // lm.kernels.release_openmp_workers says why. 0 on success, -1 inside a parallel region.
+  m.def("release_openmp_workers", [] { return omp_pause_resource_all(omp_pause_soft); });
   m.def("argmax_rows", &argmax_rows, "argmax of each row of a float32 [B, V] tensor (argmax's rules)");
   m.def("causal_conv", &causal_conv, "depthwise causal conv + SiLU along time, one pass (prefill)");
   // module_local: two builds of these kernels can be loaded in one process (an A/B of two versions)

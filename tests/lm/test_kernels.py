@@ -1,5 +1,9 @@
 """The CPU decode kernels against `F.linear` (the reference), and the model with them on and off."""
 
+import os
+import threading
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -351,3 +355,73 @@ def test_argmax_rows_equals_argmax_of_each_row(monkeypatch):
     for bad in (torch.zeros(4), torch.zeros(2, 0), torch.zeros(2, 3, dtype=torch.float64)):
         with pytest.raises(RuntimeError, match="float32 CPU"):
             k.argmax_rows(bad)
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _settles_at(count: int, seconds: float = 10.0) -> bool:
+    """Whether the process's thread count comes to `count` (released workers end asynchronously)."""
+    deadline = time.time() + seconds
+    while _threads() != count and time.time() < deadline:
+        time.sleep(0.01)
+    return _threads() == count
+
+
+def _make_workers(k) -> None:
+    """A parallel region on this thread (argmax takes both threads from 32k values on)."""
+    assert k.argmax(torch.arange(1 << 16, dtype=torch.float32)) == (1 << 16) - 1
+
+
+def test_release_openmp_workers_ends_this_threads_pool(monkeypatch):
+    """release_openmp_workers: the calling thread's OpenMP workers end, and its next parallel region
+    starts new ones. (With two threads' pools alive on a 2-core machine, libgomp stops spinning
+    between regions: a generation in the serving engine's thread ran ~1.3x slower.)"""
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    k, before = kernels._kernels(), torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        kernels.release_openmp_workers()
+        time.sleep(0.2)
+        base = _threads()
+        for _ in range(2):
+            _make_workers(k)
+            assert _threads() == base + 1  # one worker beside this thread
+            kernels.release_openmp_workers()
+            assert _settles_at(base)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_generation_and_engine_submissions_release_their_threads_workers(checkpoints, monkeypatch):
+    """stream_generate ends its thread's OpenMP workers when it ends; Engine.submit ends the
+    submitting thread's (the engine's thread decodes); load_model ends the loading thread's."""
+    import lm.scheduler
+    import mm.loading
+    from lm import SamplingParams, generate
+
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    k, before = kernels._kernels(), torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = mm.load_model(checkpoints("moe_text")[1])
+        kernels.release_openmp_workers()
+        time.sleep(0.2)
+        base = _threads()
+        _make_workers(k)
+        generate(model.lm, torch.tensor([[5, 6, 7]]), SamplingParams(max_new_tokens=3))
+        assert _settles_at(base)
+        released = []
+        monkeypatch.setattr(kernels, "release_openmp_workers", lambda: released.append(threading.current_thread()))
+        engine = lm.scheduler.Engine(model.lm)
+        try:
+            assert len(engine.submit([5, 6, 7], SamplingParams(max_new_tokens=2)).result()) == 2
+        finally:
+            engine.close()
+        assert released == [threading.current_thread()]
+        monkeypatch.setattr(mm.loading, "release_openmp_workers", lambda: released.append("load"))
+        mm.load_model(checkpoints("moe_text")[1])
+        assert released[-1] == "load"
+    finally:
+        torch.set_num_threads(before)
