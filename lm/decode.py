@@ -81,19 +81,27 @@ def decode_logits(lm, input_ids: torch.Tensor, positions: torch.Tensor, cache: C
     return plan.step(input_ids, positions, _states(cache), keep, pos)[:, None]
 
 
-def step_tokens(cache: Cache, tokens: list[int], positions: list[int]) -> torch.Tensor | None:
+def step_tokens(cache: Cache, tokens: list[int], positions: list[int], lengths: list[int] | None = None
+                ) -> torch.Tensor | None:
     """Logits [B, vocab] of one decode step from Python ints: each row's token and its position (on
     all three mRoPE axes, as a generated token's), through the plan `decode_logits` made on the
-    generation's first step; None when the cache has none (the caller calls the model). The same
-    step as `lm(ids, positions=..., cache=cache)`, with no tensor built in Python around it: each
-    tensor operation there runs cache-cold after the step's weight stream (30-80 us each)."""
+    cache's first decode step; None when the cache has none (the caller calls the model). A ragged
+    cache (the serving engine's) takes each row's length too (`lengths`: cache.lengths as a list,
+    read from the tensor when not given). The same step as `lm(ids, positions=..., cache=cache)`,
+    with no tensor built in Python around it: each tensor operation there runs cache-cold after the
+    step's weight stream (30-80 us each)."""
     plan = _step_plans.get(cache)
-    if plan is None or cache.lengths is not None:
+    if plan is None:
         return None
-    cache.begin_token()
-    keep = attention_mask_for(cache, 1)
-    keep = _NO_MASK if keep is None else keep.reshape(cache.batch, -1)
-    logits = plan.step_tokens(tokens, positions, _states(cache), keep, [cache.length] * len(tokens))
+    if cache.lengths is not None:  # ragged: each row attends up to its own length, no key mask
+        cache.begin(None, 1)
+        pos = cache.lengths.tolist() if lengths is None else lengths
+        logits = plan.step_tokens(tokens, positions, _states(cache), _NO_MASK, pos)
+    else:
+        cache.begin_token()
+        keep = attention_mask_for(cache, 1)
+        keep = _NO_MASK if keep is None else keep.reshape(cache.batch, -1)
+        logits = plan.step_tokens(tokens, positions, _states(cache), keep, [cache.length] * len(tokens))
     cache.advance(1)
     return logits
 

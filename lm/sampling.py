@@ -71,12 +71,12 @@ class Sampler:
         # indexing and argmax are tensor operations from Python, and each line of Python right after
         # a decode step runs cache-cold (~10-80 us; this call ~45 us for a 248k vocabulary)
         k = kernels._kernels() if self.plain_greedy else None
-        self._argmax_rows = None if k is None else k.argmax_rows
+        self.argmax_rows = None if k is None else k.argmax_rows  # [B, V] float32 CPU -> each row's argmax
 
     def __call__(self, logits: torch.Tensor, rows: list[int], outputs: list[list[int]]) -> list[int]:
         """logits [len(rows), V]; `rows` are the original batch rows; `outputs` their tokens so far."""
-        if self._argmax_rows is not None and logits.dtype == torch.float32 and logits.is_cpu and logits.dim() == 2:
-            return self._argmax_rows(logits)
+        if self.argmax_rows is not None and logits.dtype == torch.float32 and logits.is_cpu and logits.dim() == 2:
+            return self.argmax_rows(logits)
         picks = []
         for i, row in enumerate(rows):
             p = self.params[row]

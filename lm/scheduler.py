@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels
+from .decode import step_tokens
 from .model import CausalLM
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams, TokenRule
@@ -409,19 +410,31 @@ class Engine:
         self._running.append(row)
 
     def _decode(self) -> None:
-        n = len(self._running)
-        self.store.ensure(int(self.store.lengths[:n].max()) + 1)
-        view = self.store.view(n)
-        device = self.store.device
-        ids = torch.tensor([[r.request.tokens[-1]] for r in self._running], device=device)
-        pos = torch.tensor([r.next_pos for r in self._running], device=device)[None, :, None].expand(3, n, 1)
-        logits = self.lm(ids, positions=pos, cache=view)[:, -1]
-        self.store.sync(view, n)
+        n, running = len(self._running), self._running
+        lengths = self.store.lengths[:n].tolist()  # each row's positions in the cache
+        self.store.ensure(max(lengths) + 1)
+        view = self.store.view(n, max(lengths))
+        tokens, positions = [r.request.tokens[-1] for r in running], [r.next_pos for r in running]
+        # the CPU decode plan's step from Python ints (lm/decode.py; each tensor operation here runs
+        # cache-cold after a step), once the model's first step on this view has made it; else the model
+        logits = step_tokens(view, tokens, positions, lengths)  # (its states are updated in place)
+        if logits is None:
+            device = self.store.device
+            ids = torch.tensor([[token] for token in tokens], device=device)
+            pos = torch.tensor(positions, device=device)[None, :, None].expand(3, n, 1)
+            logits = self.lm(ids, positions=pos, cache=view)[:, -1]
+            self.store.sync(view, n)
         self.counters["decode_tokens"] += n
+        # every row greedy with no penalty and no rule: one argmax call for all (lm/sampling.py)
+        argmax_rows = running[0].sampler.argmax_rows
+        picks = None
+        if argmax_rows is not None and all(r.sampler.argmax_rows is not None and r.request.rule is None for r in running):
+            if logits.dtype == torch.float32 and logits.is_cpu:
+                picks = argmax_rows(logits)
         ended = []
-        for i, row in enumerate(self._running):
+        for i, row in enumerate(running):
             row.next_pos += 1
-            if self._sample(row, logits[i], finish=False) is not None:
+            if self._sample(row, logits[i], finish=False, token=None if picks is None else picks[i]) is not None:
                 ended.append(i)
         for i in reversed(ended):
             row = self._running[i]
@@ -430,14 +443,16 @@ class Engine:
                 self.prefix.insert(key, self.store.save(i), row.logits)
             self._finish(self._remove(i), row.reason)
 
-    def _sample(self, row: _Row, logits: torch.Tensor, finish: bool = True) -> str | None:
-        """Sample and emit one token; returns the finish reason when it ends the request (finished
-        at once unless `finish` is False: then the caller frees the slot first)."""
+    def _sample(self, row: _Row, logits: torch.Tensor, finish: bool = True, token: int | None = None) -> str | None:
+        """Sample (unless `token`, the row's pick, is given) and emit one token; returns the finish
+        reason when it ends the request (finished at once unless `finish` is False: then the caller
+        frees the slot first)."""
         request = row.request
         row.logits = logits
-        if request.rule is not None and (rule := request.rule(request.tokens)) is not None:
-            logits = rule.apply(logits)
-        token = row.sampler(logits[None], [0], [request.tokens])[0]
+        if token is None:
+            if request.rule is not None and (rule := request.rule(request.tokens)) is not None:
+                logits = rule.apply(logits)
+            token = row.sampler(logits[None], [0], [request.tokens])[0]
         request._token(token)
         reason = None
         if token in self.eos or token in request.params.stop_token_ids:

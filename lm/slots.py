@@ -74,15 +74,16 @@ class SlotStore:
         self.capacity = new
         self._views.clear()  # views of the old tensors
 
-    def view(self, rows: int) -> Cache:
+    def view(self, rows: int, length: int | None = None) -> Cache:
         """A ragged cache over slots 0..rows-1 (views: a forward writes the store in place). The same
-        object for the same rows until the capacity grows, so the decode plan built for it is reused."""
+        object for the same rows until the capacity grows, so the decode plan built for it is reused.
+        `length`: the longest of those rows, when the caller has it (else read from `lengths`)."""
         if rows not in self._views:
             kv = {i: (k[:rows], v[:rows]) for i, (k, v) in self.kv.items()}
             linear = {i: (conv[:rows], rec[:rows]) for i, (conv, rec) in self.linear.items()}
             self._views[rows] = Cache.ragged(kv, linear, self.lengths[:rows], self.capacity)
         view = self._views[rows]
-        view.length = int(self.lengths[:rows].max())
+        view.length = int(self.lengths[:rows].max()) if length is None else length
         return view
 
     def sync(self, view: Cache, rows: int) -> None:

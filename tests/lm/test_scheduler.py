@@ -217,3 +217,29 @@ def test_stress_64_requests_from_many_threads():
     assert engine.store.lengths.sum() == 0 and engine.prefix.nbytes <= engine.prefix.max_bytes
     assert engine.store.nbytes() <= max(baseline, engine.store.max_bytes())
     engine.close()
+
+
+def test_engine_decodes_through_python_ints_and_one_argmax(lm_moe, monkeypatch):
+    """The engine's decode steps take step_tokens (the CPU plan over ragged rows) after the first
+    step on each batch size, and pick the rows in one argmax call when every row is greedy with no
+    penalty; a penalised row sends the step through each row's sampler. Both equal each alone."""
+    import lm.scheduler
+    from lm.decode import step_tokens
+
+    taken = []
+
+    def counting(*args):
+        out = step_tokens(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(lm.scheduler, "step_tokens", counting)
+    engine = Engine(lm_moe, max_batch=3, prefix_cache_bytes=0)
+    specs = [(_prompt(70, 9), SamplingParams(max_new_tokens=8)), (_prompt(71, 14), SamplingParams(max_new_tokens=12)),
+             (_prompt(72, 5), SamplingParams(max_new_tokens=5, repetition_penalty=1.3))]
+    with engine._cond:  # all three start decoding together
+        handles = [engine.submit(ids, params) for ids, params in specs]
+    outs = [h.result() for h in handles]
+    engine.close()
+    assert outs == [generate(lm_moe, torch.tensor([ids]), params)[0] for ids, params in specs]
+    assert len(taken) == 11 and taken.count(False) <= 3  # a first step per batch size (3, 2, 1 rows)
