@@ -6,15 +6,20 @@
 //      and publishes it, while the other threads go on with the shared expert;
 //   2. the gate/up pieces, first the shared expert's, then every selected expert's (rows of gate and
 //      up -> columns of act = silu(x Wg^T) * (x Wu^T));
-//   3. the down pieces, shared then selected (rows of down: their output columns, weighted and added
-//      into the running thread's output rows). A down piece waits for its expert's act to be
-//      complete, which in queue order has almost always happened; a piece past the shared expert's
-//      gate/up waits for the routing.
+//   3. once the queue is empty, the down pieces, shared then selected (rows of down: their output
+//      columns, weighted and added into the thread's output rows): down piece d goes to thread
+//      d mod T, which takes its pieces in order. A down piece waits for its expert's act to be
+//      complete, which has almost always happened; a piece past the shared expert's gate/up waits
+//      for the routing.
 //   out[n] = sum_k w[n, k] expert_k(x[n]) + sigmoid(x[n] . shared_gate) shared(x[n]).
 // Every piece reads a contiguous block of weights, and no barrier stops the threads between the
 // router, gate/up and down: the serial routing overlaps the shared expert's weight stream, and a
 // decode step pays one fork/join per MoE block. Only the experts some token selected are read (each
-// once, for all of its rows). The thread outputs are summed at the end.
+// once, for all of its rows). The thread outputs are summed at the end, in thread order. With the
+// down pieces dealt out in a fixed way, each output's additions come in one order: the same input
+// gives the same bits on every call (with the down pieces in the queue too, whichever thread took
+// one added it to its own sum, and 87-99% of repeated calls differed in their last bits, and
+// greedy near-ties with them). Whole batch-1 steps against the queued down pieces: within the noise.
 
 #include "vec.h"
 
@@ -204,13 +209,13 @@ at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::T
   routing.x = xp, routing.xq_in = routed_int8 ? &ws.xq : nullptr, routing.gate_up = gu, routing.down = dn;
   routing.xs = ws.xs.data(), routing.acts = ws.acts.data() + N * Is;
 
-  // the queue: T router pieces, then gate/up pieces of experts 0 (shared), 1, ..., k, then their down
-  // pieces; `routed` is 1 + k once the routing is out (0 before)
+  // the queue: T router pieces, then the gate/up pieces of experts 0 (shared), 1, ..., k; `routed`
+  // is 1 + k once the routing is out (0 before)
   std::atomic<int64_t> next{0}, routers_done{0}, routed{0};
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t) {
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> scratch;  // a piece's products (kept: no allocation per call)
     scratch.resize(2 * 8 * std::max(std::max(I, Is), H));
-    float* out = partial + t0 * N * H;
+    int64_t count = 0;
     for (int64_t p = next++;; p = next++) {
       if (p < T) {  // a router piece
         const int64_t r0 = E * p / T, r1 = E * (p + 1) / T;
@@ -224,20 +229,19 @@ at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::T
         continue;
       }
       const int64_t q = p - T;
-      int64_t count = q < parts ? 1 : 0;  // experts known: the shared one's gate/up needs no routing
+      count = q < parts ? 1 : 0;  // experts known: the shared one's gate/up needs no routing
       if (!count)
         while ((count = routed.load(std::memory_order_acquire)) == 0) std::this_thread::yield();
-      if (q >= 2 * count * parts) break;
-      const bool is_down = q >= count * parts;
-      const int64_t j = (q % (count * parts)) / parts, part = q % parts;
-      const Expert& e = experts[j];
-      if (!is_down) {
-        gate_up_piece(e, cut(e.I, part, parts), cut(e.I, part + 1, parts), H, scratch.data());
-        continue;
-      }
-      while (e.ready->load(std::memory_order_acquire) < parts) std::this_thread::yield();  // gate/up still running
-      down_piece(e, cut(H, part, parts), cut(H, part + 1, parts), H, out, scratch.data());
+      if (q >= count * parts) break;
+      const Expert& e = experts[q / parts];
+      gate_up_piece(e, cut(e.I, q % parts, parts), cut(e.I, q % parts + 1, parts), H, scratch.data());
     }
+    for (int64_t t = t0; t < t1; ++t)  // (all of [0, T) on one thread when the region runs serially)
+      for (int64_t d = t; d < count * parts; d += T) {
+        const Expert& e = experts[d / parts];
+        while (e.ready->load(std::memory_order_acquire) < parts) std::this_thread::yield();  // gate/up still running
+        down_piece(e, cut(H, d % parts, parts), cut(H, d % parts + 1, parts), H, partial + t * N * H, scratch.data());
+      }
   });
   auto result = at::empty({N, H}, x.options());
   float* rp = result.data_ptr<float>();

@@ -56,7 +56,11 @@ def texts(message: dict) -> str:
     return "".join(part.get("text", "") for part in message["content"])
 
 
-def test_text_turns_stream_and_continue(client):
+def test_text_turns_stream_and_continue(client, monkeypatch):
+    from lm.scheduler import Engine
+
+    decode = Engine._decode  # tokens slower than the page's updates: a fast machine decodes the 10 tokens
+    monkeypatch.setattr(Engine, "_decode", lambda self: (time.sleep(0.05), decode(self))[1])  # in one update
     history, updates = chat(client, "Hello there")
     assert [m["role"] for m in history] == ["user", "assistant"]
     assert texts(history[0]) == "Hello there" and texts(history[1])

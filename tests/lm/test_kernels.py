@@ -148,6 +148,40 @@ def test_fused_moe_block_equals_reference(monkeypatch, rows, pieces):
     assert ours.shape == x.shape and rel_err(ours, reference) < 1e-5
 
 
+@pytest.mark.parametrize("rows,pieces", [(1, 1), (5, 1), (8, 3)])
+def test_moe_decode_gives_the_same_bits_on_every_call(monkeypatch, rows, pieces):
+    """moe_decode deals its down pieces to the threads in a fixed way: each output's additions come in
+    one order, and the same input gives the same bits on every call, with 1, 2 or 3 threads (with the
+    down pieces taken from the queue, most repeated calls differed in their last bits, and greedy
+    near-ties with them); every thread count equals the reference."""
+    from lm.config import TextConfig
+    from lm.moe import SparseMoeBlock
+    from tests import tiny
+
+    config = TextConfig.from_hf(tiny.text_config(True, num_experts=16, num_experts_per_tok=4))
+    block = _perturbed(SparseMoeBlock(config), rows)
+    x = torch.randn(rows, config.hidden_size, generator=torch.Generator().manual_seed(2))
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "0")
+    with torch.no_grad():
+        reference = block(x[:, None])[:, 0]
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    k, s, before = kernels._kernels(), block.shared_expert, torch.get_num_threads()
+
+    def call():
+        return k.moe_decode(x, block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj, 4,
+                            s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight, block.shared_expert_gate.weight,
+                            pieces)
+
+    try:
+        for threads in (2, 1, 3):
+            torch.set_num_threads(threads)
+            first = call()
+            assert all(torch.equal(call(), first) for _ in range(40)), threads
+            assert rel_err(first, reference) < 1e-5
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("rows,value_dim,scale", [(1, 32, 1), (4, 32, 1), (2, 128, 1), (2, 48, 1), (2, 32, 60)])
 def test_fused_deltanet_decode_equals_reference(monkeypatch, rows, value_dim, scale):
     """48: the column-strip path; scale 60: inputs that drive the SiLUs (the kernels' own vectorised
