@@ -19,7 +19,11 @@ using namespace qwen35;
 // x [N, H] the token rows; the selections grouped by expert: offsets [E + 1] their bounds, token [S]
 // the token of each, weight [S] its routing weight. Returns [N, H] = sum over selections s of
 // weight[s] * expert(x[token[s]]): each thread gathers its expert's rows (they stay in cache) and
-// adds its weighted outputs into its own output rows; the threads' rows are summed at the end.
+// keeps their outputs; then the outputs are weighted and added into the tokens' rows, the columns
+// split among the threads and the selections in order, so that each sum's additions come in one
+// order: the same bits on every call. (Adding into per-thread rows, whichever thread took an expert,
+// and summing those made a prefill of more than a few tokens differ from call to call in its last
+// bits, and a greedy generation's near-ties with it.) The kept outputs take S x H floats.
 at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Tensor offsets, at::Tensor token,
                       at::Tensor weight) {
   check(x, "x");
@@ -41,11 +45,10 @@ at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Ten
   std::iota(order.begin(), order.end(), 0);
   std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return op[a + 1] - op[a] > op[b + 1] - op[b]; });
   const int64_t T = at::get_num_threads();
-  auto partial = at::zeros({T, N, H}, x.options());
+  std::vector<at::Tensor> ys(E);  // each expert's outputs [rows, H], unweighted
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t) {
+  at::parallel_for(0, T, 1, [&](int64_t, int64_t) {
     c10::NoGradGuard no_grad;  // inference only (grad mode is per thread)
-    float* out = partial.data_ptr<float>() + t0 * N * H;
     at::Tensor gate_up_f, down_f;  // this thread's float32 copy of the current expert (compact formats)
     if (compact) gate_up_f = at::empty({2 * I, H}, x.options()), down_f = at::empty({H, I}, x.options());
     for (int64_t i = next++; i < E; i = next++) {
@@ -58,14 +61,21 @@ at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Ten
       }
       auto h = at::mm(xe, (compact ? gate_up_f : gate_up[e]).t());  // [rows, 2I]
       auto act = at::silu(h.narrow(1, 0, I)).mul_(h.narrow(1, I, I));
-      auto y = at::mm(act, (compact ? down_f : down[e]).t());  // [rows, H]
-      const float* yp = y.data_ptr<float>();
-      for (int64_t r = 0; r < rows; ++r) {
-        float* dst = out + tp[r0 + r] * H;
-        const float c = wp[r0 + r];
-        for (int64_t j = 0; j < H; ++j) dst[j] += c * yp[r * H + j];
+      ys[e] = at::mm(act, (compact ? down_f : down[e]).t()).contiguous();  // [rows, H]
+    }
+  });
+  auto out = at::zeros({N, H}, x.options());
+  float* op_out = out.data_ptr<float>();
+  at::parallel_for(0, H, std::max<int64_t>(V, H / std::max<int64_t>(T, 1) / V * V), [&](int64_t c0, int64_t c1) {
+    for (int64_t e = 0; e < E; ++e) {
+      if (!ys[e].defined()) continue;
+      const float* yp = ys[e].data_ptr<float>();
+      for (int64_t r = 0, rows = op[e + 1] - op[e]; r < rows; ++r) {
+        float* dst = op_out + tp[op[e] + r] * H;
+        const float c = wp[op[e] + r];
+        for (int64_t j = c0; j < c1; ++j) dst[j] += c * yp[r * H + j];
       }
     }
   });
-  return T == 1 ? partial[0] : partial.sum(0);
+  return out;
 }

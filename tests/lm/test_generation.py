@@ -63,3 +63,21 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ(checkpoints):
 
     assert run(1) == run(1)
     assert run(1) != run(2)
+
+
+def test_the_same_prompts_give_the_same_logits_bit_for_bit(checkpoints):
+    """Prefill (its experts: expert_mlp) and decode steps (moe_decode) add the experts' outputs in one
+    order whichever thread computed them: two runs give the same bits, so greedy answers repeat."""
+    _, path = checkpoints("moe_text")
+    lm = mm.load_model(path).lm
+    ids = torch.randint(3, 500, (2, 30), generator=torch.Generator().manual_seed(8))
+
+    def run():
+        cache = lm.make_cache(2, 30)
+        with torch.no_grad():
+            out = [lm(ids[:, :24], cache=cache)]
+            out += [lm(ids[:, i : i + 1], cache=cache) for i in range(24, 30)]
+        return torch.cat(out, 1)
+
+    first = run()
+    assert all(torch.equal(run(), first) for _ in range(5))

@@ -182,6 +182,47 @@ def test_moe_decode_gives_the_same_bits_on_every_call(monkeypatch, rows, pieces)
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "int4"])
+def test_prefill_experts_give_the_same_bits_on_every_call_and_thread_count(monkeypatch, fmt):
+    """expert_mlp (prefill) keeps each expert's outputs and adds them into the tokens' rows in one
+    order (the columns split among the threads): the same bits on every call and with 1, 2 or 3
+    threads (adding into per-thread rows, whichever thread took an expert, made most prefills differ
+    in their last bits), equal to the experts applied one selection at a time."""
+    from lm.formats import FORMATS
+
+    g = torch.Generator().manual_seed(3)
+    E, N, K, H, I = 16, 40, 4, 64, 32
+    x = torch.randn(N, H, generator=g)
+    gate_up, down = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+    if fmt != "fp32":
+        gate_up = FORMATS[fmt].quantize(gate_up.reshape(E * 2 * I, H)).view(E, 2 * I, -1)
+        down = FORMATS[fmt].quantize(down.reshape(E * H, I)).view(E, H, -1)
+    chosen = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])  # [N, K]
+    weights = torch.rand(N, K, generator=g)
+    order = chosen.flatten().argsort(stable=True)
+    token, weight = (order // K), weights.flatten()[order]
+    counts = torch.bincount(chosen.flatten(), minlength=E)
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        first = kernels.expert_mlp(x, gate_up, down, counts, token, weight)
+        for threads in (2, 1, 3):
+            torch.set_num_threads(threads)
+            assert all(torch.equal(kernels.expert_mlp(x, gate_up, down, counts, token, weight), first)
+                       for _ in range(10)), threads
+    finally:
+        torch.set_num_threads(before)
+    wg = kernels._kernels().dequantize(gate_up, H) if fmt != "fp32" else gate_up
+    wd = kernels._kernels().dequantize(down, I) if fmt != "fp32" else down
+    reference = torch.zeros(N, H)
+    for n in range(N):
+        for k in range(K):
+            h = wg[chosen[n, k]] @ x[n]
+            reference[n] += weights[n, k] * (wd[chosen[n, k]] @ (F.silu(h[:I]) * h[I:]))
+    assert rel_err(first, reference) < 1e-5
+
+
 @pytest.mark.parametrize("rows,value_dim,scale", [(1, 32, 1), (4, 32, 1), (2, 128, 1), (2, 48, 1), (2, 32, 60)])
 def test_fused_deltanet_decode_equals_reference(monkeypatch, rows, value_dim, scale):
     """48: the column-strip path; scale 60: inputs that drive the SiLUs (the kernels' own vectorised
