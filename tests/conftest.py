@@ -39,6 +39,22 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
+def count_step_tokens(monkeypatch, module) -> list[bool]:
+    """A list that records, for each call of `module.step_tokens` from now on (lm.engine's or
+    lm.scheduler's), whether the CPU plan took the step (lm.decode.step_tokens gave logits)."""
+    from lm.decode import step_tokens
+
+    taken = []
+
+    def counting(*args):
+        out = step_tokens(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(module, "step_tokens", counting)
+    return taken
+
+
 @pytest.fixture(scope="session")
 def tokenizer_checkpoint(tmp_path_factory):
     """A directory with the small real tokenizer, chat template and processor configs (no weights)."""

@@ -8,7 +8,7 @@ import lm.model
 import mm
 from lm import SamplingParams, stream_generate
 from lm.decode import step_tokens
-from tests.conftest import rel_err
+from tests.conftest import count_step_tokens, rel_err
 
 
 def _decode_logits(model, ids, steps: int) -> torch.Tensor:
@@ -209,14 +209,7 @@ def test_generation_decodes_through_python_ints(checkpoints, monkeypatch):
     model = mm.load_model(path)
     ids = torch.randint(3, 500, (2, 7), generator=torch.Generator().manual_seed(6))
     params = [SamplingParams(max_new_tokens=3), SamplingParams(max_new_tokens=6)]
-    taken = []
-
-    def counting(*args):
-        out = step_tokens(*args)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(lm.engine, "step_tokens", counting)
+    taken = count_step_tokens(monkeypatch, lm.engine)
 
     def tokens():
         out = [[], []]

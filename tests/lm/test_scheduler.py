@@ -224,16 +224,9 @@ def test_engine_decodes_through_python_ints_and_one_argmax(lm_moe, monkeypatch):
     step on each batch size, and pick the rows in one argmax call when every row is greedy with no
     penalty; a penalised row sends the step through each row's sampler. Both equal each alone."""
     import lm.scheduler
-    from lm.decode import step_tokens
+    from tests.conftest import count_step_tokens
 
-    taken = []
-
-    def counting(*args):
-        out = step_tokens(*args)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(lm.scheduler, "step_tokens", counting)
+    taken = count_step_tokens(monkeypatch, lm.scheduler)
     engine = Engine(lm_moe, max_batch=3, prefix_cache_bytes=0)
     specs = [(_prompt(70, 9), SamplingParams(max_new_tokens=8)), (_prompt(71, 14), SamplingParams(max_new_tokens=12)),
              (_prompt(72, 5), SamplingParams(max_new_tokens=5, repetition_penalty=1.3))]
