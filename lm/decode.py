@@ -93,12 +93,11 @@ def step_tokens(cache: Cache, tokens: list[int], positions: list[int], lengths: 
     plan = _step_plans.get(cache)
     if plan is None:
         return None
+    cache.begin_token()
     if cache.lengths is not None:  # ragged: each row attends up to its own length, no key mask
-        cache.begin(None, 1)
         pos = cache.lengths.tolist() if lengths is None else lengths
         logits = plan.step_tokens(tokens, positions, _states(cache), _NO_MASK, pos)
     else:
-        cache.begin_token()
         keep = attention_mask_for(cache, 1)
         keep = _NO_MASK if keep is None else keep.reshape(cache.batch, -1)
         logits = plan.step_tokens(tokens, positions, _states(cache), keep, [cache.length] * len(tokens))

@@ -73,10 +73,17 @@ class Sampler:
         k = kernels._kernels() if self.plain_greedy else None
         self.argmax_rows = None if k is None else k.argmax_rows  # [B, V] float32 CPU -> each row's argmax
 
-    def __call__(self, logits: torch.Tensor, rows: list[int], outputs: list[list[int]]) -> list[int]:
-        """logits [len(rows), V]; `rows` are the original batch rows; `outputs` their tokens so far."""
+    def argmax_all(self, logits: torch.Tensor) -> list[int] | None:
+        """Each row's argmax of logits [B, V] in one kernel call, when every row is plain greedy and
+        the logits are float32 on the CPU; else None."""
         if self.argmax_rows is not None and logits.dtype == torch.float32 and logits.is_cpu and logits.dim() == 2:
             return self.argmax_rows(logits)
+        return None
+
+    def __call__(self, logits: torch.Tensor, rows: list[int], outputs: list[list[int]]) -> list[int]:
+        """logits [len(rows), V]; `rows` are the original batch rows; `outputs` their tokens so far."""
+        if (picks := self.argmax_all(logits)) is not None:
+            return picks
         picks = []
         for i, row in enumerate(rows):
             p = self.params[row]

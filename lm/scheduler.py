@@ -426,11 +426,9 @@ class Engine:
             self.store.sync(view, n)
         self.counters["decode_tokens"] += n
         # every row greedy with no penalty and no rule: one argmax call for all (lm/sampling.py)
-        argmax_rows = running[0].sampler.argmax_rows
         picks = None
-        if argmax_rows is not None and all(r.sampler.argmax_rows is not None and r.request.rule is None for r in running):
-            if logits.dtype == torch.float32 and logits.is_cpu:
-                picks = argmax_rows(logits)
+        if all(r.sampler.plain_greedy and r.request.rule is None for r in running):
+            picks = running[0].sampler.argmax_all(logits)
         ended = []
         for i, row in enumerate(running):
             row.next_pos += 1

@@ -61,12 +61,12 @@ at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Ten
       }
       auto h = at::mm(xe, (compact ? gate_up_f : gate_up[e]).t());  // [rows, 2I]
       auto act = at::silu(h.narrow(1, 0, I)).mul_(h.narrow(1, I, I));
-      ys[e] = at::mm(act, (compact ? down_f : down[e]).t()).contiguous();  // [rows, H]
+      ys[e] = at::mm(act, (compact ? down_f : down[e]).t());  // [rows, H]
     }
   });
   auto out = at::zeros({N, H}, x.options());
   float* op_out = out.data_ptr<float>();
-  at::parallel_for(0, H, std::max<int64_t>(V, H / std::max<int64_t>(T, 1) / V * V), [&](int64_t c0, int64_t c1) {
+  at::parallel_for(0, H, V, [&](int64_t c0, int64_t c1) {  // one block of columns a thread
     for (int64_t e = 0; e < E; ++e) {
       if (!ys[e].defined()) continue;
       const float* yp = ys[e].data_ptr<float>();
