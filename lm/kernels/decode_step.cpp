@@ -17,17 +17,69 @@ using namespace qwen35;
 
 namespace {
 
-at::Tensor plus_bias(at::Tensor y, const at::Tensor& bias) { return bias.numel() ? y.add_(bias) : y; }
+// The step's activations in the calling thread's buffers, kept from step to step. A step used to
+// make ~250 tensors and vectors, each allocation and free running cache-cold on the main thread
+// right after a weight stream while the other threads waited (perf, dense checkpoint int4 batch 1:
+// ~10% of the main thread's time in malloc and ATen's dispatch).
+struct Buffers {
+  enum { NORM, P0, P1, P2, P3, MIX, OUT, X, COS, SIN, HIDDEN, COUNT };
+  std::vector<float> b[COUNT];
+  float* get(int i, int64_t n) {
+    if (int64_t(b[i].size()) < n) b[i].resize(n);
+    return b[i].data();
+  }
+};
+
+Buffers& buffers() {
+  thread_local Buffers b;
+  return b;
+}
+
+const float* f32(const at::Tensor& t) { return t.numel() ? t.data_ptr<float>() : nullptr; }
+
+void norm_rows(const float* x, const float* w, double eps, int64_t B, int64_t H, float* y) {
+  for (int64_t b = 0; b < B; ++b) rms_norm_row(x + b * H, w, float(eps), 1.f, H, y + b * H);
+}
+
+// h[b] += y[b] (+ bias) for B rows of N
+void add_rows(float* h, const float* y, const float* bias, int64_t B, int64_t N) {
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < N; ++i) h[b * N + i] += bias ? y[b * N + i] + bias[i] : y[b * N + i];
+}
+
+void add_bias(float* y, const float* bias, int64_t B, int64_t N) {
+  if (bias)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < N; ++i) y[b * N + i] += bias[i];
+}
+
+at::Tensor rows_tensor(float* p, int64_t B, int64_t N) { return at::from_blob(p, {B, N}, at::TensorOptions().dtype(at::kFloat)); }
 
 }  // namespace
 
 void DecodePlan::add_deltanet(at::Tensor input_norm, at::Tensor in_proj_qkv, at::Tensor in_proj_z,
                               at::Tensor in_proj_b, at::Tensor in_proj_a, at::Tensor conv, at::Tensor A_log,
                               at::Tensor dt_bias, at::Tensor norm, at::Tensor out_proj, int64_t num_k_heads) {
+  for (auto* t : {&input_norm, &conv, &A_log, &dt_bias, &norm}) check(*t, "DeltaNet layer tensors");
+  const int64_t H = input_norm.numel(), C = conv.size(0), Hv = A_log.numel(), Dv = norm.numel();
+  TORCH_CHECK(conv.dim() == 2 && num_k_heads > 0 && Hv % num_k_heads == 0 && C > Hv * Dv &&
+                  (C - Hv * Dv) % (2 * num_k_heads) == 0 && dt_bias.numel() == Hv && Dv % V == 0,
+              "decode plan: DeltaNet shapes do not match");
+  TORCH_CHECK(hidden_ == 0 || hidden_ == H, "decode plan: every layer's hidden size must be the same");
+  hidden_ = H;
   Layer l;
   l.deltanet = true;
   l.mixer = {input_norm, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv, A_log, dt_bias, norm, out_proj};
   l.num_k_heads = num_k_heads;
+  l.gdn = {0, C, conv.size(1) - 1, num_k_heads, Hv, (C - Hv * Dv) / (2 * num_k_heads), Dv};
+  const int64_t Vd = Hv * Dv;
+  l.ops = {{rows_of(in_proj_qkv, H, "in_proj_qkv"), in_proj_qkv.size(0), H},
+           {rows_of(in_proj_z, H, "in_proj_z"), in_proj_z.size(0), H},
+           {rows_of(in_proj_b, H, "in_proj_b"), in_proj_b.size(0), H},
+           {rows_of(in_proj_a, H, "in_proj_a"), in_proj_a.size(0), H},
+           {rows_of(out_proj, Vd, "out_proj"), out_proj.size(0), Vd}};
+  TORCH_CHECK(l.ops[0].N == C && l.ops[1].N == Vd && l.ops[2].N == Hv && l.ops[3].N == Hv && l.ops[4].N == H,
+              "decode plan: DeltaNet projection shapes do not match");
   layers_.push_back(std::move(l));
 }
 
@@ -35,8 +87,23 @@ void DecodePlan::add_attention(at::Tensor input_norm, at::Tensor q_proj, at::Ten
                                at::Tensor o_proj, std::vector<at::Tensor> biases, at::Tensor q_norm,
                                at::Tensor k_norm, double scale) {
   TORCH_CHECK(biases.size() == 4, "attention biases: q, k, v, o (empty where absent)");
+  check(input_norm, "attention input norm");
+  const int64_t H = input_norm.numel(), D = q_norm.numel(), Q = q_proj.size(0);
+  TORCH_CHECK(hidden_ == 0 || hidden_ == H, "decode plan: every layer's hidden size must be the same");
+  TORCH_CHECK(D > 0 && Q % (2 * D) == 0, "decode plan: q_proj must give a query and a gate per head");
+  hidden_ = H;
   Layer l;
   l.mixer = {input_norm, q_proj, k_proj, v_proj, o_proj, biases[0], biases[1], biases[2], biases[3], q_norm, k_norm};
+  l.ops = {{rows_of(q_proj, H, "q_proj"), Q, H},
+           {rows_of(k_proj, H, "k_proj"), k_proj.size(0), H},
+           {rows_of(v_proj, H, "v_proj"), v_proj.size(0), H},
+           {rows_of(o_proj, Q / 2, "o_proj"), o_proj.size(0), Q / 2}};
+  TORCH_CHECK(l.ops[3].N == H, "decode plan: o_proj must give the hidden size");
+  for (int i = 0; i < 4; ++i) {
+    if (!biases[i].numel()) continue;
+    check(biases[i], "attention bias");
+    TORCH_CHECK(biases[i].numel() == l.ops[i].N, "decode plan: a projection's bias does not match its outputs");
+  }
   l.scale = scale;
   layers_.push_back(std::move(l));
 }
@@ -45,6 +112,8 @@ void DecodePlan::add_moe(at::Tensor post_norm, at::Tensor router, at::Tensor gat
                          at::Tensor shared_gate, at::Tensor shared_up, at::Tensor shared_down,
                          at::Tensor shared_expert_gate, int64_t pieces_per_expert) {
   TORCH_CHECK(!layers_.empty() && layers_.back().mlp.empty(), "add_moe must follow a layer's mixer");
+  check(post_norm, "MoE post norm");
+  TORCH_CHECK(post_norm.numel() == hidden_, "decode plan: the MoE norm does not match the hidden size");
   Layer& l = layers_.back();
   l.moe = true;
   l.mlp = {post_norm, router, gate_up, down, shared_gate, shared_up, shared_down, shared_expert_gate};
@@ -54,51 +123,112 @@ void DecodePlan::add_moe(at::Tensor post_norm, at::Tensor router, at::Tensor gat
 
 void DecodePlan::add_dense_mlp(at::Tensor post_norm, at::Tensor gate, at::Tensor up, at::Tensor down) {
   TORCH_CHECK(!layers_.empty() && layers_.back().mlp.empty(), "add_dense_mlp must follow a layer's mixer");
-  layers_.back().mlp = {post_norm, gate, up, down};
+  check(post_norm, "MLP post norm");
+  const int64_t H = hidden_, I = gate.size(0);
+  TORCH_CHECK(post_norm.numel() == H, "decode plan: the MLP norm does not match the hidden size");
+  Layer& l = layers_.back();
+  l.mlp = {post_norm, gate, up, down};
+  l.ops.push_back({rows_of(gate, H, "gate_proj"), I, H});
+  l.ops.push_back({rows_of(up, H, "up_proj"), up.size(0), H});
+  l.ops.push_back({rows_of(down, I, "down_proj"), down.size(0), I});
+  TORCH_CHECK(l.ops.back().N == H && up.size(0) == I, "decode plan: MLP shapes do not match");
 }
 
-// x times each weight (one parallel region), through the weights' panel copies where the plan has them
-std::vector<at::Tensor> DecodePlan::products(const at::Tensor& x, std::vector<at::Tensor> weights) const {
-  std::vector<at::Tensor> panels;
-  for (const auto& w : weights) {
-    const auto it = panels_.find(w.data_ptr());
-    panels.push_back(it == panels_.end() ? at::Tensor() : it->second);
+void DecodePlan::add_panels(at::Tensor weight, at::Tensor panels) {
+  const void* data = weight.data_ptr();
+  std::vector<Operand*> uses;  // the operands of this weight (a tied weight may serve twice)
+  for (auto& l : layers_)
+    for (auto& o : l.ops)
+      if (o.W.data == data) uses.push_back(&o);
+  if (head_op_.W.data == data) uses.push_back(&head_op_);
+  TORCH_CHECK(!uses.empty(), "add_panels: the weight is none of the plan's products");
+  const Operand& op = *uses[0];
+  TORCH_CHECK(op.W.fmt == F32 || op.W.fmt == BF16, "panel copies are of float32 and bf16 weights only");
+  TORCH_CHECK(panels.device().is_cpu() && panels.is_contiguous() && panels.scalar_type() == weight.scalar_type(),
+              "panels must be a contiguous CPU tensor in the weight's dtype");
+  TORCH_CHECK(panels.numel() == weight.numel() && op.N % V == 0, "panels must be a panel copy of the weight");
+  for (Operand* o : uses) o->panels = panels.data_ptr();
+  panels_.push_back(panels);
+}
+
+void DecodePlan::layers(float* h, int64_t B, const std::vector<at::Tensor>& states, const at::Tensor& cos,
+                        const at::Tensor& sin, const at::Tensor& keep, const at::Tensor& pos, float* out) const {
+  TORCH_CHECK(states.size() == 2 * layers_.size() && final_norm_.defined(), "decode plan and cache do not match");
+  const int64_t H = hidden_;
+  Buffers& buf = buffers();
+  float *n = buf.get(Buffers::NORM, B * H), *y = buf.get(Buffers::OUT, B * H);
+  const auto product = [B](const Operand& o, const float* x, float* out) {
+    return Product{x, B, o.K, o.W, o.N, o.K, out, o.panels};
+  };
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& l = layers_[i];
+    const auto& w = l.mixer;
+    const auto& o = l.ops;
+    TORCH_CHECK(!l.mlp.empty(), "decode plan: layer ", i, " has no MLP");
+    norm_rows(h, w[0].data_ptr<float>(), eps_, B, H, n);
+    if (l.deltanet) {
+      GdnShape g = l.gdn;
+      g.B = B;
+      const at::Tensor &window = states[2 * i], &state = states[2 * i + 1];
+      for (auto* t : {&window, &state}) check(*t, "DeltaNet cache");
+      TORCH_CHECK(window.dim() == 3 && window.size(0) == B && window.size(1) == g.Km1 && window.size(2) == g.C &&
+                      state.dim() == 4 && state.size(0) == B && state.size(1) == g.Hv && state.size(2) == g.Dk &&
+                      state.size(3) == g.Dv,
+                  "decode plan: layer ", i, "'s DeltaNet cache does not match the layer");
+      float *qkv = buf.get(Buffers::P0, B * o[0].N), *z = buf.get(Buffers::P1, B * o[1].N);
+      float *b = buf.get(Buffers::P2, B * o[2].N), *a = buf.get(Buffers::P3, B * o[3].N);
+      const Product in[] = {product(o[0], n, qkv), product(o[1], n, z), product(o[2], n, b), product(o[3], n, a)};
+      run_products(in, 4);
+      float* mix = buf.get(Buffers::MIX, B * o[4].K);
+      gdn_decode_into(g, qkv, z, b, a, window.data_ptr<float>(), w[5].data_ptr<float>(), w[6].data_ptr<float>(),
+                      w[7].data_ptr<float>(), state.data_ptr<float>(), w[8].data_ptr<float>(), float(eps_), mix);
+      const Product out_proj = product(o[4], mix, y);
+      run_products(&out_proj, 1);
+      add_rows(h, y, nullptr, B, H);
+    } else {
+      float *q = buf.get(Buffers::P0, B * o[0].N), *k = buf.get(Buffers::P1, B * o[1].N);
+      float* v = buf.get(Buffers::P2, B * o[2].N);
+      const Product in[] = {product(o[0], n, q), product(o[1], n, k), product(o[2], n, v)};
+      run_products(in, 3);
+      add_bias(q, f32(w[5]), B, o[0].N), add_bias(k, f32(w[6]), B, o[1].N), add_bias(v, f32(w[7]), B, o[2].N);
+      const at::Tensor mix = attention_token(rows_tensor(q, B, o[0].N), rows_tensor(k, B, o[1].N),
+                                             rows_tensor(v, B, o[2].N), w[9], w[10], eps_, cos, sin, states[2 * i],
+                                             states[2 * i + 1], pos, keep, l.scale);
+      TORCH_CHECK(mix.numel() == B * o[3].K, "decode plan: the attention output does not match o_proj");
+      const Product o_proj = product(o[3], mix.data_ptr<float>(), y);
+      run_products(&o_proj, 1);
+      add_rows(h, y, f32(w[8]), B, H);
+    }
+    const auto& m = l.mlp;
+    norm_rows(h, m[0].data_ptr<float>(), eps_, B, H, n);
+    if (l.moe) {
+      const at::Tensor r = moe_decode(rows_tensor(n, B, H), m[1], m[2], m[3], l.top_k, m[4], m[5], m[6], m[7], l.pieces);
+      add_rows(h, r.data_ptr<float>(), nullptr, B, H);
+    } else {
+      const Operand &gate = o[o.size() - 3], &up = o[o.size() - 2], &down = o[o.size() - 1];
+      float *g = buf.get(Buffers::P0, B * gate.N), *u = buf.get(Buffers::P1, B * up.N);
+      const Product in[] = {product(gate, n, g), product(up, n, u)};
+      run_products(in, 2);
+      silu_mul(g, u, g, B * gate.N);
+      const Product d = product(down, g, y);
+      run_products(&d, 1);
+      add_rows(h, y, nullptr, B, H);
+    }
   }
-  return multi_linear(x, weights, panels);
+  norm_rows(h, final_norm_.data_ptr<float>(), eps_, B, H, out);
 }
 
 at::Tensor DecodePlan::run(at::Tensor x, std::vector<at::Tensor> states, at::Tensor cos, at::Tensor sin,
                            at::Tensor keep, at::Tensor pos) const {
-  TORCH_CHECK(states.size() == 2 * layers_.size() && final_norm_.defined(), "decode plan and cache do not match");
-  at::Tensor h = x.clone();  // the residual stream, updated in place
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    const Layer& l = layers_[i];
-    const auto& w = l.mixer;
-    TORCH_CHECK(!l.mlp.empty(), "decode plan: layer ", i, " has no MLP");
-    const at::Tensor n = rms_norm(h, w[0], eps_, 1.0);
-    if (l.deltanet) {
-      const auto p = products(n, {w[1], w[2], w[3], w[4]});
-      const at::Tensor out = gdn_decode(p[0], p[1], p[2], p[3], states[2 * i], w[5], w[6], w[7], states[2 * i + 1],
-                                        w[8], eps_, l.num_k_heads);
-      h.add_(products(out, {w[9]})[0]);
-    } else {
-      const auto p = products(n, {w[1], w[2], w[3]});
-      const at::Tensor out = attention_token(plus_bias(p[0], w[5]), plus_bias(p[1], w[6]), plus_bias(p[2], w[7]),
-                                             w[9], w[10], eps_, cos, sin, states[2 * i], states[2 * i + 1], pos,
-                                             keep, l.scale);
-      h.add_(plus_bias(products(out, {w[4]})[0], w[8]));
-    }
-    const auto& m = l.mlp;
-    const at::Tensor n2 = rms_norm(h, m[0], eps_, 1.0);
-    if (l.moe) {
-      h.add_(moe_decode(n2, m[1], m[2], m[3], l.top_k, m[4], m[5], m[6], m[7], l.pieces));
-    } else {
-      const auto p = products(n2, {m[1], m[2]});
-      silu_mul(p[0].data_ptr<float>(), p[1].data_ptr<float>(), p[0].data_ptr<float>(), p[0].numel());
-      h.add_(products(p[0], {m[3]})[0]);
-    }
-  }
-  return rms_norm(h, final_norm_, eps_, 1.0);
+  check(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.size(0) >= 1 && x.size(0) <= 8,
+              "decode plan: x must be [B, hidden] with 1 to 8 rows");
+  const int64_t B = x.size(0);
+  float* h = buffers().get(Buffers::HIDDEN, B * hidden_);  // the residual stream, updated in place
+  std::copy_n(x.data_ptr<float>(), B * hidden_, h);
+  auto out = at::empty({B, hidden_}, x.options());
+  layers(h, B, states, cos, sin, keep, pos, out.data_ptr<float>());
+  return out;
 }
 
 void DecodePlan::set_ends(at::Tensor embedding, at::Tensor inv_freq, at::Tensor axis, at::Tensor head) {
@@ -110,7 +240,9 @@ void DecodePlan::set_ends(at::Tensor embedding, at::Tensor inv_freq, at::Tensor 
               "decode plan: axis must be int64 with one row index per rotary frequency");
   const int64_t* a = axis.data_ptr<int64_t>();
   for (int64_t i = 0; i < axis.numel(); ++i) TORCH_CHECK(a[i] >= 0 && a[i] < 3, "decode plan: axis values are 0, 1 or 2");
-  rows_of(head, embedding.size(1), "lm_head");  // a clear error now rather than at the first step
+  TORCH_CHECK(embedding.size(1) == hidden_, "decode plan: the embedding table does not match the layers' hidden size");
+  table_ = rows_of(embedding, hidden_, "embedding");
+  head_op_ = {rows_of(head, hidden_, "lm_head"), head.size(0), hidden_};  // a clear error now, not at a step
   embedding_ = embedding, inv_freq_ = inv_freq, axis_ = axis, head_ = head;
 }
 
@@ -121,26 +253,32 @@ at::Tensor DecodePlan::step(at::Tensor ids, at::Tensor positions, std::vector<at
               "step: ids must be int64 [B] or [B, 1]");
   ids = ids.reshape({-1}).contiguous();
   const int64_t B = ids.size(0), H = embedding_.size(1), vocab = embedding_.size(0), F = inv_freq_.numel();
+  TORCH_CHECK(B >= 1 && B <= 8, "step: 1 to 8 rows");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.size(0) == 3 && positions.numel() == 3 * B &&
                   (positions.dim() == 2 || (positions.dim() == 3 && positions.size(2) == 1)),
               "step: positions must be int64 [3, B] or [3, B, 1]");
   const auto p = positions.reshape({3, B}).contiguous();
   const int64_t *ip = ids.data_ptr<int64_t>(), *pp = p.data_ptr<int64_t>(), *ax = axis_.data_ptr<int64_t>();
-  const Rows table = rows_of(embedding_, H, "embedding");
-  auto x = at::empty({B, H}, inv_freq_.options());
-  auto cos = at::empty({B, 2 * F}, x.options()), sin = at::empty({B, 2 * F}, x.options());
-  float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  Buffers& buf = buffers();
+  float *xp = buf.get(Buffers::HIDDEN, B * H), *cp = buf.get(Buffers::COS, B * 2 * F);
+  float* sp = buf.get(Buffers::SIN, B * 2 * F);
   const float* inv = inv_freq_.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK_INDEX(ip[b] >= 0 && ip[b] < vocab, "step: token id ", ip[b], " outside the vocabulary of ", vocab);
-    to_float(table.from(ip[b]), 1, H, xp + b * H);  // float32 or bf16 (exact) rows
+    to_float(table_.from(ip[b]), 1, H, xp + b * H);  // float32 or bf16 (exact) rows
     for (int64_t i = 0; i < F; ++i) {  // emb = [freqs, freqs], freqs[i] = float(position of row axis[i]) inv_freq[i]
       const float angle = float(pp[ax[i] * B + b]) * inv[i];
       cp[b * 2 * F + i] = cp[b * 2 * F + F + i] = std::cos(angle);
       sp[b * 2 * F + i] = sp[b * 2 * F + F + i] = std::sin(angle);
     }
   }
-  return products(run(x, std::move(states), cos, sin, keep, pos), {head_})[0];
+  float* final = buf.get(Buffers::X, B * H);
+  layers(xp, B, states, rows_tensor(cp, B, 2 * F), rows_tensor(sp, B, 2 * F), keep, pos, final);
+  auto logits = at::empty({B, vocab}, inv_freq_.options());
+  TORCH_CHECK(head_op_.N == vocab, "decode plan: the LM head's rows do not match the vocabulary");
+  const Product lm_head{final, B, H, head_op_.W, vocab, H, logits.data_ptr<float>(), head_op_.panels};
+  run_products(&lm_head, 1);
+  return logits;
 }
 
 at::Tensor DecodePlan::step_tokens(std::vector<int64_t> ids, std::vector<int64_t> positions,

@@ -9,6 +9,7 @@
 //   kv = S^T k, qs = S^T q; delta = beta (v - d kv); out = d qs + (q.k) delta; S <- d S + k delta^T.
 // One read and one write of the state per head (the reference form needs five passes).
 
+#include "kernels.h"
 #include "vec.h"
 
 using namespace qwen35;
@@ -119,19 +120,29 @@ at::Tensor gdn_decode(at::Tensor qkv, at::Tensor z, at::Tensor b_in, at::Tensor 
     check(*t, "DeltaNet decode tensors");
   const int64_t B = qkv.size(0), C = qkv.size(1), Km1 = window.size(1);
   const int64_t Hv = state.size(1), Dk = state.size(2), Dv = state.size(3), Hk = num_k_heads;
-  const int64_t Kd = Hk * Dk, Vd = Hv * Dv, rep = Hv / Hk;
-  TORCH_CHECK(C == 2 * Kd + Vd && window.size(0) == B && window.size(2) == C && conv_w.size(0) == C &&
+  const int64_t Kd = Hk * Dk, Vd = Hv * Dv;
+  TORCH_CHECK(Hk > 0 && C == 2 * Kd + Vd && window.size(0) == B && window.size(2) == C && conv_w.size(0) == C &&
                   conv_w.numel() == C * (Km1 + 1) && z.numel() == B * Vd && state.size(0) == B &&
-                  Hv % Hk == 0 && Dv % V == 0 && norm_w.numel() == Dv,
+                  Hv % Hk == 0 && Dv % V == 0 && norm_w.numel() == Dv && b_in.numel() == B * Hv &&
+                  a_in.numel() == B * Hv && A_log.numel() == Hv && dt_bias.numel() == Hv,
               "DeltaNet decode shapes do not match");
-  auto conv = at::empty({B, C}, qkv.options());
-  auto gates = at::empty({2, B, Hv}, qkv.options());  // decay, beta
   auto out = at::empty({B, Vd}, qkv.options());
-  const float *xp = qkv.data_ptr<float>(), *wp = conv_w.data_ptr<float>();
-  float *win = window.data_ptr<float>(), *cp = conv.data_ptr<float>(), *S = state.data_ptr<float>();
-  float *decay = gates.data_ptr<float>(), *beta = decay + B * Hv, *op = out.data_ptr<float>();
-  const float *nw = norm_w.data_ptr<float>(), *bp = b_in.data_ptr<float>(), *ap = a_in.data_ptr<float>();
-  const float *A = A_log.data_ptr<float>(), *dtb = dt_bias.data_ptr<float>();
+  gdn_decode_into({B, C, Km1, Hk, Hv, Dk, Dv}, qkv.data_ptr<float>(), z.data_ptr<float>(), b_in.data_ptr<float>(),
+                  a_in.data_ptr<float>(), window.data_ptr<float>(), conv_w.data_ptr<float>(),
+                  A_log.data_ptr<float>(), dt_bias.data_ptr<float>(), state.data_ptr<float>(),
+                  norm_w.data_ptr<float>(), float(eps), out.data_ptr<float>());
+  return out;
+}
+
+void gdn_decode_into(const GdnShape& shape, const float* xp, const float* zp, const float* bp, const float* ap,
+                     float* win, const float* wp, const float* A, const float* dtb, float* S, const float* nw,
+                     float eps, float* op) {
+  const int64_t B = shape.B, C = shape.C, Km1 = shape.Km1, Hk = shape.Hk, Hv = shape.Hv, Dk = shape.Dk,
+                Dv = shape.Dv;
+  const int64_t Kd = Hk * Dk, Vd = Hv * Dv, rep = Hv / Hk;
+  thread_local std::vector<float> conv, gates;  // kept from call to call (no allocation per step)
+  conv.resize(B * C), gates.resize(2 * B * Hv);
+  float *cp = conv.data(), *decay = gates.data(), *beta = decay + B * Hv;
 
   // 1. causal conv and the window shift (channels are independent), then SiLU
   constexpr int64_t CH = 512;
@@ -152,7 +163,6 @@ at::Tensor gdn_decode(at::Tensor qkv, at::Tensor z, at::Tensor b_in, at::Tensor 
       silu_mul(cp + r * C + c0, nullptr, cp + r * C + c0, c1 - c0);  // vectorised (vec.h)
     }
   });
-  const float* zp = z.data_ptr<float>();
   // 2. q, k unit norms (q scaled by Dk^-1/2) and the gates: small, serial
   for (int64_t r = 0; r < B; ++r) {
     for (int64_t h = 0; h < Hk; ++h) {
@@ -178,5 +188,4 @@ at::Tensor gdn_decode(at::Tensor qkv, at::Tensor z, at::Tensor b_in, at::Tensor 
       for (int64_t i = 0; i < Dv; ++i) o[i] = nw[i] * (o[i] * inv) * zs[i];
     }
   });
-  return out;
 }

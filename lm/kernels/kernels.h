@@ -4,8 +4,9 @@
 
 #include <ATen/ATen.h>
 
-#include <unordered_map>
 #include <vector>
+
+#include "formats.h"
 
 // Weights W of the products, experts and decode plan are in any format of formats.h (float32,
 // bf16, Q8_0 or Q4_0 blocks); x, activations and results are float32.
@@ -19,6 +20,14 @@ at::Tensor gated_delta_step(at::Tensor state, at::Tensor q, at::Tensor k, at::Te
 at::Tensor gdn_decode(at::Tensor qkv, at::Tensor z, at::Tensor b_in, at::Tensor a_in, at::Tensor window,
                       at::Tensor conv_w, at::Tensor A_log, at::Tensor dt_bias, at::Tensor state, at::Tensor norm_w,
                       double eps, int64_t num_k_heads);
+// gdn_decode on raw float32 rows (its checks done by the caller): how the decode step calls it, with
+// no tensor made per call
+struct GdnShape {
+  int64_t B, C, Km1, Hk, Hv, Dk, Dv;  // rows, conv channels, conv window, key / value heads, head dims
+};
+void gdn_decode_into(const GdnShape& shape, const float* qkv, const float* z, const float* b_in, const float* a_in,
+                     float* window, const float* conv_w, const float* A_log, const float* dt_bias, float* state,
+                     const float* norm_w, float eps, float* out);
 at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::Tensor down, int64_t top_k,
                       at::Tensor sh_gate, at::Tensor sh_up, at::Tensor sh_down, at::Tensor sh_expert_gate,
                       int64_t pieces_per_expert);
@@ -58,7 +67,7 @@ class DecodePlan {
   void add_dense_mlp(at::Tensor post_norm, at::Tensor gate, at::Tensor up, at::Tensor down);
   void set_final_norm(at::Tensor norm) { final_norm_ = norm; }
   // the panel copy of one of the plan's weights (vec.h): its products with 5-8 rows go through it
-  void add_panels(at::Tensor weight, at::Tensor panels) { panels_[weight.data_ptr()] = panels; }
+  void add_panels(at::Tensor weight, at::Tensor panels);
   // the ends of a whole step (for `step`): the embedding table [vocab, hidden] (float32 or bf16 rows),
   // the rotary frequencies inv_freq [R/2] float32 with the position row (0 t, 1 h, 2 w) of each,
   // axis [R/2] int64, and the LM head [vocab, hidden] (any format)
@@ -85,15 +94,30 @@ class DecodePlan {
                          at::Tensor keep, std::vector<int64_t> pos) const;
 
  private:
+  // A weight of the plan as its products read it: rows in its format, outputs N, inputs K, and its
+  // panel copy (add_panels) or null.
+  struct Operand {
+    qwen35::Rows W;
+    int64_t N = 0, K = 0;
+    const void* panels = nullptr;
+  };
   struct Layer {
     bool deltanet = false, moe = false;
     std::vector<at::Tensor> mixer, mlp;  // weights in the order of the add_* arguments
+    std::vector<Operand> ops;            // the products' weights: the mixer's projections, then the dense MLP's
     int64_t num_k_heads = 0, top_k = 0, pieces = 1;
+    GdnShape gdn{};  // a DeltaNet layer's shapes (B set per step)
     double scale = 0;
   };
-  std::vector<at::Tensor> products(const at::Tensor& x, std::vector<at::Tensor> weights) const;
+  // The layer stack on the residual rows h [B, hidden] (updated in place) -> out [B, hidden], the
+  // final-normed rows: `run` and `step` on raw rows, the activations in buffers kept between steps.
+  void layers(float* h, int64_t B, const std::vector<at::Tensor>& states, const at::Tensor& cos,
+              const at::Tensor& sin, const at::Tensor& keep, const at::Tensor& pos, float* out) const;
+  int64_t hidden_ = 0;
   std::vector<Layer> layers_;
-  std::unordered_map<const void*, at::Tensor> panels_;  // weight data -> its panel copy
+  std::vector<at::Tensor> panels_;  // the panel copies the operands point into (kept alive)
   at::Tensor final_norm_, embedding_, inv_freq_, axis_, head_;
+  qwen35::Rows table_;  // the embedding table's rows
+  Operand head_op_;     // the LM head's
   double eps_;
 };

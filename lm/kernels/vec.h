@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "formats.h"
@@ -399,7 +400,9 @@ inline void parallel_tasks(int64_t n, const F& fn) {
     int64_t end;
   };
   const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  std::vector<Share> shares(T);
+  Share local[8];  // on the stack: a malloc right after a weight stream runs cache-cold (see run_products)
+  std::unique_ptr<Share[]> more(T > 8 ? new Share[T] : nullptr);
+  Share* shares = T > 8 ? more.get() : local;
   for (int64_t t = 0; t < T; ++t) shares[t].next.store(n * t / T), shares[t].end = n * (t + 1) / T;
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t) {  // one index per thread (all of them when serial)
     for (int64_t h = 0; h < T; ++h) {
@@ -410,36 +413,48 @@ inline void parallel_tasks(int64_t n, const F& fn) {
 }
 
 // All products in one parallel region: each is cut into blocks of weight rows, and the blocks of
-// all products are shared among the threads (one fork/join instead of one per product).
-inline void run_products(const std::vector<Product>& products) {
-  std::vector<int64_t> first{0};  // first task of each product
-  std::vector<std::vector<float>> xt(products.size());  // x transposed [K, 8] for the panel products
-  std::vector<QuantizedX> xq(products.size());  // x in Q8_0 blocks for the int8-activation products
-  std::vector<std::vector<float>> xp(products.size());  // x in pairs order for the bf16 pairs products
-  for (size_t i = 0; i < products.size(); ++i) {
+// all products are shared among the threads (one fork/join instead of one per product). The x
+// copies it makes (transposed, quantized, in pairs order) live in the calling thread's buffers,
+// kept from call to call: a decode step makes ~100 of these calls, each right after a weight stream
+// has flushed the caches, where every malloc and free touches cold memory.
+inline void run_products(const Product* products, size_t count) {
+  struct Buffers {
+    std::vector<int64_t> first;  // first task of each product
+    std::vector<std::vector<float>> xt;  // x transposed [K, 8] for the panel products
+    std::vector<QuantizedX> xq;  // x in Q8_0 blocks for the int8-activation products
+    std::vector<std::vector<float>> xp;  // x in pairs order for the bf16 pairs products
+  };
+  thread_local Buffers buffers;
+  Buffers& b = buffers;  // the calling thread's (the tasks below run on other threads too)
+  b.first.assign(1, 0);
+  if (b.xq.size() < count) b.xt.resize(count), b.xq.resize(count), b.xp.resize(count);
+  for (size_t i = 0; i < count; ++i) {
     const Product& p = products[i];
-    first.push_back(first.back() + (p.N + task_rows(p) - 1) / task_rows(p));
-    if (int8_path(p.W)) quantize_x(p.x, p.M, p.ldx, p.K, xq[i]);
-    if (pairs_path(p.W, p.M)) xp[i].resize(p.K), pairs_order(p.x, p.K, xp[i].data());
+    b.first.push_back(b.first.back() + (p.N + task_rows(p) - 1) / task_rows(p));
+    if (int8_path(p.W)) quantize_x(p.x, p.M, p.ldx, p.K, b.xq[i]);
+    if (pairs_path(p.W, p.M)) b.xp[i].resize(p.K), pairs_order(p.x, p.K, b.xp[i].data());
     if (!p.by_panels()) continue;
-    xt[i].assign(p.K * 8, 0.f);
+    b.xt[i].assign(p.K * 8, 0.f);
     for (int64_t m = 0; m < p.M; ++m)
-      for (int64_t k = 0; k < p.K; ++k) xt[i][k * 8 + m] = p.x[m * p.ldx + k];
+      for (int64_t k = 0; k < p.K; ++k) b.xt[i][k * 8 + m] = p.x[m * p.ldx + k];
   }
-  parallel_tasks(first.back(), [&](int64_t t) {
-    const int64_t i = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
+  const int64_t* first = b.first.data();
+  parallel_tasks(b.first[count], [&](int64_t t) {
+    const int64_t i = std::upper_bound(first, first + count + 1, t) - first - 1;
     const Product& p = products[i];
     const int64_t step = task_rows(p), n0 = (t - first[i]) * step, n1 = std::min(p.N, n0 + step);
     if (p.by_panels())
-      panel_block(xt[i].data(), p.M, p.W.fmt, p.panels, p.K, p.N, n0 / PANEL, (n1 + PANEL - 1) / PANEL, p.y, p.N);
+      panel_block(b.xt[i].data(), p.M, p.W.fmt, p.panels, p.K, p.N, n0 / PANEL, (n1 + PANEL - 1) / PANEL, p.y, p.N);
     else if (int8_path(p.W))
-      block_i8(xq[i], p.M, p.W, n0, n1, p.y, p.N);
+      block_i8(b.xq[i], p.M, p.W, n0, n1, p.y, p.N);
     else if (pairs_path(p.W, p.M))
-      block_pairs(xp[i].data(), p.W, p.K, n0, n1, p.y);
+      block_pairs(b.xp[i].data(), p.W, p.K, n0, n1, p.y);
     else
       block(p.x, p.M, p.ldx, p.W, p.K, n0, n1, p.y, p.N);
   });
 }
+
+inline void run_products(const std::vector<Product>& products) { run_products(products.data(), products.size()); }
 
 inline void check(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
