@@ -48,30 +48,48 @@ at::Tensor attention_token(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor 
                   k_cache.size(0) == B && v_cache.sizes() == k_cache.sizes() && q_norm_w.numel() == D &&
                   k_norm_w.numel() == D && cos.size(0) == B && sin.sizes() == cos.sizes() && R % 2 == 0 && R <= D,
               "attention token shapes do not match");
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const float *qw = q_norm_w.data_ptr<float>(), *kw = k_norm_w.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
-  auto qn = at::empty({B, H, D}, q.options());
-  float* qnp = qn.data_ptr<float>();
+  TORCH_CHECK(!keep.numel() || (keep.scalar_type() == at::kBool && keep.is_contiguous() && keep.dim() == 2 &&
+                                keep.size(0) == B),
+              "attention token: keep must be a contiguous bool [B, keys] tensor or empty");
+  auto out = at::empty({B, H * D}, q.options());
+  attention_token_into({B, H, KV, L, D}, R, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                       q_norm_w.data_ptr<float>(), k_norm_w.data_ptr<float>(), float(eps), cos.data_ptr<float>(),
+                       sin.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), pp,
+                       keep.numel() ? keep.data_ptr<bool>() : nullptr, keep.numel() ? keep.size(-1) : 0, scale,
+                       out.data_ptr<float>());
+  return out;
+}
+
+void attention_token_into(const AttentionShape& shape, int64_t R, const float* qp, const float* kp, const float* vp,
+                          const float* qw, const float* kw, float eps, const float* cp, const float* sp, float* kc,
+                          float* vc, const int64_t* pp, const bool* keep, int64_t keep_keys, double scale,
+                          float* op) {
+  const int64_t B = shape.B, H = shape.H, KV = shape.KV, L = shape.L, D = shape.D;
+  int64_t last = 0;
+  for (int64_t b = 0; b < B; ++b) last = std::max(last, pp[b]);
+  TORCH_CHECK(!keep || keep_keys == last + 1, "attention token: the key mask must cover ", last + 1, " keys, not ",
+              keep_keys);
+  thread_local std::vector<float> qn_;
+  thread_local std::vector<int64_t> lengths_;
+  qn_.resize(B * H * D), lengths_.resize(B);
+  float* qnp = qn_.data();
   for (int64_t b = 0; b < B; ++b) {
     const float *cb = cp + b * R, *sb = sp + b * R;
-    for (int64_t h = 0; h < H; ++h) norm_rotate(qp + (b * H + h) * 2 * D, qw, float(eps), cb, sb, R, D, qnp + (b * H + h) * D);
+    for (int64_t h = 0; h < H; ++h) norm_rotate(qp + (b * H + h) * 2 * D, qw, eps, cb, sb, R, D, qnp + (b * H + h) * D);
     for (int64_t h = 0; h < KV; ++h) {
       const int64_t row = ((b * KV + h) * L + pp[b]) * D;
-      norm_rotate(kp + (b * KV + h) * D, kw, float(eps), cb, sb, R, D, kc + row);
+      norm_rotate(kp + (b * KV + h) * D, kw, eps, cb, sb, R, D, kc + row);
       std::copy(vp + (b * KV + h) * D, vp + (b * KV + h + 1) * D, vc + row);
     }
+    lengths_[b] = pp[b] + 1;
   }
-  using at::indexing::Slice;
-  auto out = decode_attention(qn, k_cache.index({Slice(), Slice(), Slice(0, last + 1)}),
-                              v_cache.index({Slice(), Slice(), Slice(0, last + 1)}), keep, scale, pos + 1);
-  float* op = out.data_ptr<float>();  // [B, H, D] -> gated in place
-  for (int64_t b = 0; b < B; ++b)
+  // over the cache's first last + 1 positions, each row its own length
+  decode_attention_into({B, H, KV, last + 1, D}, qnp, kc, KV * L * D, L * D, vc, KV * L * D, L * D, keep,
+                        lengths_.data(), float(scale), op);
+  for (int64_t b = 0; b < B; ++b)  // [B, H, D] gated in place
     for (int64_t h = 0; h < H; ++h) {
       const float* gate = qp + (b * H + h) * 2 * D + D;
       float* o = op + (b * H + h) * D;
       for (int64_t i = 0; i < D; ++i) o[i] *= sigmoid(gate[i]);
     }
-  return out.view({B, H * D});
 }

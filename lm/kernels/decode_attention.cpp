@@ -3,6 +3,7 @@
 // pass over V, so the cache is read once per step at streaming speed. Any head ratio that
 // transformers accepts (e.g. 6 for Qwen3.5-27B's 24 query / 4 KV heads).
 
+#include "kernels.h"
 #include "vec.h"
 
 #include <vector>
@@ -186,26 +187,37 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor
   const int64_t* lp = ragged ? lengths.data_ptr<int64_t>() : nullptr;
   for (int64_t b = 0; ragged && b < B; ++b) TORCH_CHECK(lp[b] > 0 && lp[b] <= L, "a row's length is outside the cache");
   auto out = at::empty({B, H, D}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const bool* mp = masked ? keep.data_ptr<bool>() : nullptr;
-  float* op = out.data_ptr<float>();
+  decode_attention_into({B, H, KV, L, D}, q.data_ptr<float>(), k.data_ptr<float>(), k.stride(0), k.stride(1),
+                        v.data_ptr<float>(), v.stride(0), v.stride(1), masked ? keep.data_ptr<bool>() : nullptr, lp,
+                        float(scale), out.data_ptr<float>());
+  return out;
+}
+
+void decode_attention_into(const AttentionShape& shape, const float* qp, const float* kp, int64_t k_row_stride,
+                           int64_t k_head_stride, const float* vp, int64_t v_row_stride, int64_t v_head_stride,
+                           const bool* mp, const int64_t* lp, float scale, float* op) {
+  const int64_t B = shape.B, H = shape.H, D = shape.D, KV = shape.KV, L = shape.L, rep = H / KV;
   // Tasks: (row, KV head, part); a KV head's keys are split into `parts` when there are fewer
   // (row, KV head) pairs than threads, each part's softmax kept unnormalised (its max, sum and
   // weighted values) and the parts combined at the end, so that every thread reads its share of
-  // the cache (flash-decoding's split).
+  // the cache (flash-decoding's split). The parts' results live in the calling thread's buffers,
+  // kept between calls.
   const int64_t pairs = B * KV, threads = at::get_num_threads();
   const int64_t parts =
       pairs >= threads ? 1 : std::max<int64_t>(1, std::min((threads + pairs - 1) / pairs, L / MIN_PART_KEYS));
-  std::vector<float> outs(pairs * parts * rep * D), ms(pairs * parts * rep), sums(pairs * parts * rep);
+  thread_local std::vector<float> outs_, ms_, sums_;
+  outs_.resize(pairs * parts * rep * D), ms_.resize(pairs * parts * rep), sums_.resize(pairs * parts * rep);
+  float *outs = outs_.data(), *ms = ms_.data(), *sums = sums_.data();
   at::parallel_for(0, pairs * parts, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores(rep * ((L + parts - 1) / parts + 1));
+    thread_local std::vector<float> scores;
+    scores.resize(rep * ((L + parts - 1) / parts + 1));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / parts / KV, h = t / parts % KV, part = t % parts;
       const int64_t length = lp ? lp[b] : L, l0 = length * part / parts, l1 = length * (part + 1) / parts;
-      const float *qh = qp + (b * H + h * rep) * D, *kh = kp + b * k.stride(0) + h * k.stride(1) + l0 * D;
-      const float* vh = vp + b * v.stride(0) + h * v.stride(1) + l0 * D;
+      const float *qh = qp + (b * H + h * rep) * D, *kh = kp + b * k_row_stride + h * k_head_stride + l0 * D;
+      const float* vh = vp + b * v_row_stride + h * v_head_stride + l0 * D;
       const bool* mh = mp ? mp + b * L + l0 : nullptr;
-      attend_part(rep, qh, kh, vh, l1 - l0, D, mh, float(scale), &outs[t * rep * D], &ms[t * rep], &sums[t * rep],
+      attend_part(rep, qh, kh, vh, l1 - l0, D, mh, scale, &outs[t * rep * D], &ms[t * rep], &sums[t * rep],
                   scores.data());
     }
   });
@@ -228,5 +240,4 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor
     const float inv = 1.f / total;
     for (int64_t d = 0; d < D; ++d) o[d] *= inv;
   }
-  return out;
 }

@@ -98,7 +98,12 @@ void DecodePlan::add_attention(at::Tensor input_norm, at::Tensor q_proj, at::Ten
            {rows_of(k_proj, H, "k_proj"), k_proj.size(0), H},
            {rows_of(v_proj, H, "v_proj"), v_proj.size(0), H},
            {rows_of(o_proj, Q / 2, "o_proj"), o_proj.size(0), Q / 2}};
-  TORCH_CHECK(l.ops[3].N == H, "decode plan: o_proj must give the hidden size");
+  const int64_t KV = l.ops[1].N / D;
+  TORCH_CHECK(l.ops[3].N == H && l.ops[1].N % D == 0 && l.ops[2].N == l.ops[1].N && KV > 0 && (Q / 2 / D) % KV == 0 &&
+                  k_norm.numel() == D,
+              "decode plan: attention shapes do not match (o_proj to the hidden size, whole KV heads, query heads "
+              "a multiple of them)");
+  check(q_norm, "q_norm"), check(k_norm, "k_norm");
   for (int i = 0; i < 4; ++i) {
     if (!biases[i].numel()) continue;
     check(biases[i], "attention bias");
@@ -151,8 +156,9 @@ void DecodePlan::add_panels(at::Tensor weight, at::Tensor panels) {
   panels_.push_back(panels);
 }
 
-void DecodePlan::layers(float* h, int64_t B, const std::vector<at::Tensor>& states, const at::Tensor& cos,
-                        const at::Tensor& sin, const at::Tensor& keep, const at::Tensor& pos, float* out) const {
+void DecodePlan::layers(float* h, int64_t B, const std::vector<at::Tensor>& states, const float* cos,
+                        const float* sin, int64_t R, const bool* keep, int64_t keep_keys, const int64_t* pos,
+                        float* out) const {
   TORCH_CHECK(states.size() == 2 * layers_.size() && final_norm_.defined(), "decode plan and cache do not match");
   const int64_t H = hidden_;
   Buffers& buf = buffers();
@@ -191,11 +197,19 @@ void DecodePlan::layers(float* h, int64_t B, const std::vector<at::Tensor>& stat
       const Product in[] = {product(o[0], n, q), product(o[1], n, k), product(o[2], n, v)};
       run_products(in, 3);
       add_bias(q, f32(w[5]), B, o[0].N), add_bias(k, f32(w[6]), B, o[1].N), add_bias(v, f32(w[7]), B, o[2].N);
-      const at::Tensor mix = attention_token(rows_tensor(q, B, o[0].N), rows_tensor(k, B, o[1].N),
-                                             rows_tensor(v, B, o[2].N), w[9], w[10], eps_, cos, sin, states[2 * i],
-                                             states[2 * i + 1], pos, keep, l.scale);
-      TORCH_CHECK(mix.numel() == B * o[3].K, "decode plan: the attention output does not match o_proj");
-      const Product o_proj = product(o[3], mix.data_ptr<float>(), y);
+      const at::Tensor &k_cache = states[2 * i], &v_cache = states[2 * i + 1];
+      for (auto* t : {&k_cache, &v_cache}) check(*t, "KV cache");
+      const int64_t D = w[9].numel(), KV = o[1].N / D, L = k_cache.size(2);
+      TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == KV && k_cache.size(3) == D &&
+                      v_cache.sizes() == k_cache.sizes() && R % 2 == 0 && R <= D,
+                  "decode plan: layer ", i, "'s KV cache does not match the layer");
+      for (int64_t b = 0; b < B; ++b)
+        TORCH_CHECK(pos[b] >= 0 && pos[b] < L, "decode plan: position ", pos[b], " outside the cache of ", L);
+      float* mix = buf.get(Buffers::MIX, B * o[3].K);
+      attention_token_into({B, o[3].K / D, KV, L, D}, R, q, k, v, w[9].data_ptr<float>(), w[10].data_ptr<float>(),
+                           float(eps_), cos, sin, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), pos, keep,
+                           keep_keys, l.scale, mix);
+      const Product o_proj = product(o[3], mix, y);
       run_products(&o_proj, 1);
       add_rows(h, y, f32(w[8]), B, H);
     }
@@ -218,16 +232,29 @@ void DecodePlan::layers(float* h, int64_t B, const std::vector<at::Tensor>& stat
   norm_rows(h, final_norm_.data_ptr<float>(), eps_, B, H, out);
 }
 
+// pos [B] int64 and keep [B, keys] bool or empty: checked, as raw pointers for `layers`
+static void check_positions(const at::Tensor& pos, const at::Tensor& keep, int64_t B) {
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.dim() == 1 && pos.size(0) == B && pos.is_contiguous(),
+              "decode plan: pos must be int64 [B]");
+  TORCH_CHECK(!keep.numel() || (keep.scalar_type() == at::kBool && keep.is_contiguous() && keep.dim() == 2 &&
+                                keep.size(0) == B),
+              "decode plan: keep must be a contiguous bool [B, keys] tensor or empty");
+}
+
 at::Tensor DecodePlan::run(at::Tensor x, std::vector<at::Tensor> states, at::Tensor cos, at::Tensor sin,
                            at::Tensor keep, at::Tensor pos) const {
-  check(x, "x");
+  for (auto* t : {&x, &cos, &sin}) check(*t, "x, cos and sin");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.size(0) >= 1 && x.size(0) <= 8,
               "decode plan: x must be [B, hidden] with 1 to 8 rows");
   const int64_t B = x.size(0);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == B && sin.sizes() == cos.sizes(), "decode plan: cos, sin must be [B, R]");
+  check_positions(pos, keep, B);
   float* h = buffers().get(Buffers::HIDDEN, B * hidden_);  // the residual stream, updated in place
   std::copy_n(x.data_ptr<float>(), B * hidden_, h);
   auto out = at::empty({B, hidden_}, x.options());
-  layers(h, B, states, cos, sin, keep, pos, out.data_ptr<float>());
+  layers(h, B, states, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(1),
+         keep.numel() ? keep.data_ptr<bool>() : nullptr, keep.numel() ? keep.size(1) : 0, pos.data_ptr<int64_t>(),
+         out.data_ptr<float>());
   return out;
 }
 
@@ -273,7 +300,9 @@ at::Tensor DecodePlan::step(at::Tensor ids, at::Tensor positions, std::vector<at
     }
   }
   float* final = buf.get(Buffers::X, B * H);
-  layers(xp, B, states, rows_tensor(cp, B, 2 * F), rows_tensor(sp, B, 2 * F), keep, pos, final);
+  check_positions(pos, keep, B);
+  layers(xp, B, states, cp, sp, 2 * F, keep.numel() ? keep.data_ptr<bool>() : nullptr, keep.numel() ? keep.size(1) : 0,
+         pos.data_ptr<int64_t>(), final);
   auto logits = at::empty({B, vocab}, inv_freq_.options());
   TORCH_CHECK(head_op_.N == vocab, "decode plan: the LM head's rows do not match the vocabulary");
   const Product lm_head{final, B, H, head_op_.W, vocab, H, logits.data_ptr<float>(), head_op_.panels};

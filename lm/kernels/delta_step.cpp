@@ -134,57 +134,55 @@ at::Tensor gdn_decode(at::Tensor qkv, at::Tensor z, at::Tensor b_in, at::Tensor 
   return out;
 }
 
+namespace {
+
+// The causal conv of channels [c0, c1) of one row and their window shift, then SiLU: x [C] the new
+// token's projections, window [K-1, C] (in place), conv_w [C, K] -> y [c1 - c0]
+inline void conv_channels(const float* x, float* window, const float* conv_w, int64_t C, int64_t Km1, int64_t c0,
+                          int64_t c1, float* y) {
+  for (int64_t c = c0; c < c1; ++c) {
+    const float* wc = conv_w + c * (Km1 + 1);
+    float acc = Km1 ? window[c] * wc[0] : x[c] * wc[0];
+    for (int64_t j = 1; j < Km1; ++j) acc += window[j * C + c] * wc[j];
+    if (Km1) acc += x[c] * wc[Km1];
+    y[c - c0] = acc;
+    for (int64_t j = 0; j + 1 < Km1; ++j) window[j * C + c] = window[(j + 1) * C + c];
+    if (Km1) window[(Km1 - 1) * C + c] = x[c];
+  }
+  silu_mul(y, nullptr, y, c1 - c0);  // vectorised (vec.h)
+}
+
+}  // namespace
+
+// One parallel region of independent tasks, one per (row, key head): the conv of the key head's q
+// and k channels and of its value heads' v channels (each channel's window shifted by exactly one
+// task), the q / k unit norms, then per value head the gates, the recurrence and the gated RMSNorm.
+// Before, three phases (conv, serial norms and gates, heads) each waited for all threads.
 void gdn_decode_into(const GdnShape& shape, const float* xp, const float* zp, const float* bp, const float* ap,
                      float* win, const float* wp, const float* A, const float* dtb, float* S, const float* nw,
                      float eps, float* op) {
   const int64_t B = shape.B, C = shape.C, Km1 = shape.Km1, Hk = shape.Hk, Hv = shape.Hv, Dk = shape.Dk,
                 Dv = shape.Dv;
   const int64_t Kd = Hk * Dk, Vd = Hv * Dv, rep = Hv / Hk;
-  thread_local std::vector<float> conv, gates;  // kept from call to call (no allocation per step)
-  conv.resize(B * C), gates.resize(2 * B * Hv);
-  float *cp = conv.data(), *decay = gates.data(), *beta = decay + B * Hv;
-
-  // 1. causal conv and the window shift (channels are independent), then SiLU
-  constexpr int64_t CH = 512;
-  const int64_t cblocks = (C + CH - 1) / CH;
-  at::parallel_for(0, B * cblocks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t / cblocks, c0 = (t % cblocks) * CH, c1 = std::min(C, c0 + CH);
-      float* w = win + r * Km1 * C;
-      for (int64_t c = c0; c < c1; ++c) {
-        const float* wc = wp + c * (Km1 + 1);
-        float acc = Km1 ? w[c] * wc[0] : xp[r * C + c] * wc[0];
-        for (int64_t j = 1; j < Km1; ++j) acc += w[j * C + c] * wc[j];
-        if (Km1) acc += xp[r * C + c] * wc[Km1];
-        cp[r * C + c] = acc;
-        for (int64_t j = 0; j + 1 < Km1; ++j) w[j * C + c] = w[(j + 1) * C + c];
-        if (Km1) w[(Km1 - 1) * C + c] = xp[r * C + c];
-      }
-      silu_mul(cp + r * C + c0, nullptr, cp + r * C + c0, c1 - c0);  // vectorised (vec.h)
-    }
-  });
-  // 2. q, k unit norms (q scaled by Dk^-1/2) and the gates: small, serial
-  for (int64_t r = 0; r < B; ++r) {
-    for (int64_t h = 0; h < Hk; ++h) {
-      l2norm(cp + r * C + h * Dk, Dk, 1.f / std::sqrt(float(Dk)));
-      l2norm(cp + r * C + Kd + h * Dk, Dk, 1.f);
-    }
-    for (int64_t h = 0; h < Hv; ++h) {
-      decay[r * Hv + h] = std::exp(-std::exp(A[h]) * softplus(ap[r * Hv + h] + dtb[h]));
-      beta[r * Hv + h] = sigmoid(bp[r * Hv + h]);
-    }
-  }
-  // 3. the recurrence and the gated RMSNorm, per (row, value head); value head h reads key head h / rep
-  at::parallel_for(0, B * Hv, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t / Hv, h = t % Hv;
-      const float *q = cp + r * C + (h / rep) * Dk, *k = q + Kd, *v = cp + r * C + 2 * Kd + h * Dv;
+  parallel_tasks(B * Hk, [&](int64_t t) {
+    const int64_t r = t / Hk, j = t % Hk;
+    const float* x = xp + r * C;
+    float* window = win + r * Km1 * C;
+    thread_local std::vector<float> scratch;  // this key head's q, k, v (after conv and SiLU) and silu(z)
+    scratch.resize(2 * Dk + rep * Dv + Dv);
+    float *q = scratch.data(), *k = q + Dk, *v = k + Dk, *zs = v + rep * Dv;
+    conv_channels(x, window, wp, C, Km1, j * Dk, (j + 1) * Dk, q);
+    conv_channels(x, window, wp, C, Km1, Kd + j * Dk, Kd + (j + 1) * Dk, k);
+    conv_channels(x, window, wp, C, Km1, 2 * Kd + j * rep * Dv, 2 * Kd + (j + 1) * rep * Dv, v);
+    l2norm(q, Dk, 1.f / std::sqrt(float(Dk)));  // q scaled by Dk^-1/2
+    l2norm(k, Dk, 1.f);
+    for (int64_t h = j * rep; h < (j + 1) * rep; ++h) {  // value head h reads key head h / rep
+      const float decay = std::exp(-std::exp(A[h]) * softplus(ap[r * Hv + h] + dtb[h]));
+      const float beta = sigmoid(bp[r * Hv + h]);
       float* o = op + r * Vd + h * Dv;
-      delta_step_head(S + t * Dk * Dv, Dk, Dv, q, k, v, decay[t], beta[t], o);
+      delta_step_head(S + (r * Hv + h) * Dk * Dv, Dk, Dv, q, k, v + (h - j * rep) * Dv, decay, beta, o);
       const float inv = 1.f / std::sqrt(dot(o, o, Dv) / float(Dv) + float(eps));
-      thread_local std::vector<float> zs;  // silu(z) of this head
-      zs.resize(Dv);
-      silu_mul(zp + r * Vd + h * Dv, nullptr, zs.data(), Dv);
+      silu_mul(zp + r * Vd + h * Dv, nullptr, zs, Dv);
       for (int64_t i = 0; i < Dv; ++i) o[i] = nw[i] * (o[i] * inv) * zs[i];
     }
   });

@@ -28,6 +28,18 @@ struct GdnShape {
 void gdn_decode_into(const GdnShape& shape, const float* qkv, const float* z, const float* b_in, const float* a_in,
                      float* window, const float* conv_w, const float* A_log, const float* dt_bias, float* state,
                      const float* norm_w, float eps, float* out);
+// decode_attention and attention_token on raw float32 rows (their checks done by the caller): the
+// decode step's path. The caches [B, KV, L, D] contiguous; attention_token_into's out [B, H * D].
+struct AttentionShape {
+  int64_t B, H, KV, L, D;  // rows, query heads, KV heads, keys (cache length), head dim
+};
+void decode_attention_into(const AttentionShape& shape, const float* q, const float* k, int64_t k_row_stride,
+                           int64_t k_head_stride, const float* v, int64_t v_row_stride, int64_t v_head_stride,
+                           const bool* keep, const int64_t* lengths, float scale, float* out);
+void attention_token_into(const AttentionShape& shape, int64_t R, const float* q, const float* k, const float* v,
+                          const float* q_norm_w, const float* k_norm_w, float eps, const float* cos, const float* sin,
+                          float* k_cache, float* v_cache, const int64_t* pos, const bool* keep, int64_t keep_keys,
+                          double scale, float* out);
 at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::Tensor down, int64_t top_k,
                       at::Tensor sh_gate, at::Tensor sh_up, at::Tensor sh_down, at::Tensor sh_expert_gate,
                       int64_t pieces_per_expert);
@@ -111,8 +123,10 @@ class DecodePlan {
   };
   // The layer stack on the residual rows h [B, hidden] (updated in place) -> out [B, hidden], the
   // final-normed rows: `run` and `step` on raw rows, the activations in buffers kept between steps.
-  void layers(float* h, int64_t B, const std::vector<at::Tensor>& states, const at::Tensor& cos,
-              const at::Tensor& sin, const at::Tensor& keep, const at::Tensor& pos, float* out) const;
+  // cos, sin [B, R] the rotary angles; pos [B] each row's cache position; keep [B, max(pos) + 1] or
+  // null (no mask). `run` and `step` check them.
+  void layers(float* h, int64_t B, const std::vector<at::Tensor>& states, const float* cos, const float* sin,
+              int64_t R, const bool* keep, int64_t keep_keys, const int64_t* pos, float* out) const;
   int64_t hidden_ = 0;
   std::vector<Layer> layers_;
   std::vector<at::Tensor> panels_;  // the panel copies the operands point into (kept alive)
