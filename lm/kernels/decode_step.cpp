@@ -53,8 +53,6 @@ void add_bias(float* y, const float* bias, int64_t B, int64_t N) {
       for (int64_t i = 0; i < N; ++i) y[b * N + i] += bias[i];
 }
 
-at::Tensor rows_tensor(float* p, int64_t B, int64_t N) { return at::from_blob(p, {B, N}, at::TensorOptions().dtype(at::kFloat)); }
-
 }  // namespace
 
 void DecodePlan::add_deltanet(at::Tensor input_norm, at::Tensor in_proj_qkv, at::Tensor in_proj_z,
@@ -124,6 +122,9 @@ void DecodePlan::add_moe(at::Tensor post_norm, at::Tensor router, at::Tensor gat
   l.mlp = {post_norm, router, gate_up, down, shared_gate, shared_up, shared_down, shared_expert_gate};
   l.top_k = top_k;
   l.pieces = pieces_per_expert;
+  l.moe_w = moe_weights(router, gate_up, down, top_k, shared_gate, shared_up, shared_down, shared_expert_gate,
+                        pieces_per_expert);
+  TORCH_CHECK(l.moe_w.H == hidden_, "decode plan: the MoE block does not match the hidden size");
 }
 
 void DecodePlan::add_dense_mlp(at::Tensor post_norm, at::Tensor gate, at::Tensor up, at::Tensor down) {
@@ -216,8 +217,8 @@ void DecodePlan::layers(float* h, int64_t B, const std::vector<at::Tensor>& stat
     const auto& m = l.mlp;
     norm_rows(h, m[0].data_ptr<float>(), eps_, B, H, n);
     if (l.moe) {
-      const at::Tensor r = moe_decode(rows_tensor(n, B, H), m[1], m[2], m[3], l.top_k, m[4], m[5], m[6], m[7], l.pieces);
-      add_rows(h, r.data_ptr<float>(), nullptr, B, H);
+      moe_decode_into(l.moe_w, n, B, y);
+      add_rows(h, y, nullptr, B, H);
     } else {
       const Operand &gate = o[o.size() - 3], &up = o[o.size() - 2], &down = o[o.size() - 1];
       float *g = buf.get(Buffers::P0, B * gate.N), *u = buf.get(Buffers::P1, B * up.N);

@@ -40,6 +40,14 @@ void attention_token_into(const AttentionShape& shape, int64_t R, const float* q
                           const float* q_norm_w, const float* k_norm_w, float eps, const float* cos, const float* sin,
                           float* k_cache, float* v_cache, const int64_t* pos, const bool* keep, int64_t keep_keys,
                           double scale, float* out);
+// moe_decode's weights, checked once (moe_weights), and the block on raw rows: x [N, H] -> out [N, H]
+struct MoeWeights {
+  qwen35::Rows router, sh_expert_gate, gate_up, down, sh_gate, sh_up, sh_down;
+  int64_t H, E, I, Is, top_k, pieces;
+};
+MoeWeights moe_weights(at::Tensor router, at::Tensor gate_up, at::Tensor down, int64_t top_k, at::Tensor sh_gate,
+                       at::Tensor sh_up, at::Tensor sh_down, at::Tensor sh_expert_gate, int64_t pieces_per_expert);
+void moe_decode_into(const MoeWeights& w, const float* x, int64_t N, float* out);
 at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::Tensor down, int64_t top_k,
                       at::Tensor sh_gate, at::Tensor sh_up, at::Tensor sh_down, at::Tensor sh_expert_gate,
                       int64_t pieces_per_expert);
@@ -119,6 +127,7 @@ class DecodePlan {
     std::vector<Operand> ops;            // the products' weights: the mixer's projections, then the dense MLP's
     int64_t num_k_heads = 0, top_k = 0, pieces = 1;
     GdnShape gdn{};  // a DeltaNet layer's shapes (B set per step)
+    MoeWeights moe_w{};  // a MoE layer's weights
     double scale = 0;
   };
   // The layer stack on the residual rows h [B, hidden] (updated in place) -> out [B, hidden], the

@@ -21,6 +21,7 @@
 // one added it to its own sum, and 87-99% of repeated calls differed in their last bits, and
 // greedy near-ties with them). Whole batch-1 steps against the queued down pieces: within the noise.
 
+#include "kernels.h"
 #include "vec.h"
 
 #include <atomic>
@@ -170,22 +171,39 @@ struct Workspace {
 
 }  // namespace
 
+MoeWeights moe_weights(at::Tensor router, at::Tensor gate_up, at::Tensor down, int64_t top_k, at::Tensor sh_gate,
+                       at::Tensor sh_up, at::Tensor sh_down, at::Tensor sh_expert_gate, int64_t pieces_per_expert) {
+  check(sh_expert_gate, "MoE shared-expert gate");  // the router and the experts: any format
+  const int64_t H = router.size(1), E = router.size(0), I = gate_up.size(1) / 2, Is = sh_gate.size(0);
+  TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(0) == E && down.dim() == 3 && down.size(0) == E &&
+                  down.size(1) == H && sh_up.size(0) == Is && sh_down.size(0) == H && sh_expert_gate.numel() == H &&
+                  top_k >= 1 && top_k <= E,
+              "MoE decode shapes do not match");
+  // the expert weights in any format (formats.h): gate_up [E, 2I, H], down [E, H, I], shared [Is, H] / [H, Is]
+  return {rows_of(router, H, "router"), rows_of(sh_expert_gate.view({1, H}), H, "shared expert gate"),
+          rows_of(gate_up, H, "experts.gate_up_proj"), rows_of(down, I, "experts.down_proj"),
+          rows_of(sh_gate, H, "shared gate_proj"), rows_of(sh_up, H, "shared up_proj"),
+          rows_of(sh_down, Is, "shared down_proj"), H, E, I, Is, top_k, std::max<int64_t>(1, pieces_per_expert)};
+}
+
 at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::Tensor down,
                          int64_t top_k, at::Tensor sh_gate, at::Tensor sh_up, at::Tensor sh_down,
                          at::Tensor sh_expert_gate, int64_t pieces_per_expert) {
-  for (auto* t : {&x, &sh_expert_gate}) check(*t, "MoE decode x and shared-expert gate");  // the router: any format
-  const int64_t N = x.size(0), H = x.size(1), E = router.size(0), I = gate_up.size(1) / 2, Is = sh_gate.size(0);
-  TORCH_CHECK(router.size(1) == H && gate_up.dim() == 3 && gate_up.size(0) == E && down.dim() == 3 &&
-                  down.size(0) == E && down.size(1) == H && sh_up.size(0) == Is && sh_down.size(0) == H &&
-                  sh_expert_gate.numel() == H && top_k >= 1 && top_k <= E && N <= 8,
-              "MoE decode shapes do not match");
-  // the expert weights in any format (formats.h): gate_up [E, 2I, H], down [E, H, I], shared [Is, H] / [H, Is]
-  const Rows gu = rows_of(gate_up, H, "experts.gate_up_proj"), dn = rows_of(down, I, "experts.down_proj");
-  const Rows sg = rows_of(sh_gate, H, "shared gate_proj"), su = rows_of(sh_up, H, "shared up_proj");
-  const Rows sd = rows_of(sh_down, Is, "shared down_proj");
-  const Rows rt = rows_of(router, H, "router"), seg = rows_of(sh_expert_gate.view({1, H}), H, "shared expert gate");
-  const float* xp = x.data_ptr<float>();
-  const int64_t S = N * top_k, T = at::get_num_threads(), parts = std::max<int64_t>(1, pieces_per_expert);
+  check(x, "MoE decode x");
+  const MoeWeights w =
+      moe_weights(router, gate_up, down, top_k, sh_gate, sh_up, sh_down, sh_expert_gate, pieces_per_expert);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.H && x.size(0) >= 1 && x.size(0) <= 8,
+              "MoE decode: x must be [N, hidden] with 1 to 8 rows");
+  auto result = at::empty({x.size(0), w.H}, x.options());
+  moe_decode_into(w, x.data_ptr<float>(), x.size(0), result.data_ptr<float>());
+  return result;
+}
+
+void moe_decode_into(const MoeWeights& w, const float* xp, int64_t N, float* rp) {
+  const int64_t H = w.H, E = w.E, I = w.I, Is = w.Is, top_k = w.top_k, parts = w.pieces;
+  const Rows &gu = w.gate_up, &dn = w.down, &sg = w.sh_gate, &su = w.sh_up, &sd = w.sh_down, &rt = w.router,
+             &seg = w.sh_expert_gate;
+  const int64_t S = N * top_k, T = at::get_num_threads();
 
   thread_local Workspace ws;
   ws.logits.resize(N * E), ws.gate_logit.resize(N), ws.shared_weight.resize(N);
@@ -243,10 +261,7 @@ at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::T
         down_piece(e, cut(H, d % parts, parts), cut(H, d % parts + 1, parts), H, partial + t * N * H, scratch.data());
       }
   });
-  auto result = at::empty({N, H}, x.options());
-  float* rp = result.data_ptr<float>();
   std::copy(partial, partial + N * H, rp);
   for (int64_t t = 1; t < T; ++t)
     for (int64_t i = 0; i < N * H; ++i) rp[i] += partial[t * N * H + i];
-  return result;
 }
