@@ -2,8 +2,8 @@
 //
 // gated_delta_step: the recurrence alone. gdn_decode: everything of a DeltaNet layer between its
 // input projections and its output projection (conv window update + SiLU, q/k L2 norms, the decay
-// and beta gates, the recurrence, the gated RMSNorm) in two parallel regions, instead of ~40 tensor
-// operations whose fixed costs dominate at decode sizes.
+// and beta gates, the recurrence, the gated RMSNorm) in one parallel region of (row, key head) tasks, instead of
+// ~40 tensor operations whose fixed costs dominate at decode sizes.
 //
 // Per (row, value head) with old state S [Dk, Dv], d = exp(g):
 //   kv = S^T k, qs = S^T q; delta = beta (v - d kv); out = d qs + (q.k) delta; S <- d S + k delta^T.
