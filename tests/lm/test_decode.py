@@ -222,3 +222,28 @@ def test_generation_decodes_through_python_ints(checkpoints, monkeypatch):
     assert taken == [False] + [True] * 4  # 5 decode steps: the first makes the plan
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "0")
     assert ours == tokens() and [len(t) for t in ours] == [3, 6]
+
+
+def test_plans_stepped_in_turns_equal_the_reference(checkpoints, monkeypatch):
+    """A decode step keeps its activations in buffers of the calling thread, kept from step to step
+    (decode_step.cpp): two plans of different models and batch sizes, stepped in turns in one
+    thread, each give the logits of the reference layers."""
+    monkeypatch.setattr(lm.kernels, "MIN_WEIGHT_ELEMENTS", 0)
+    runs = []
+    for kind, batch in (("moe_text", 1), ("dense_vl", 4)):  # the second needs larger buffers
+        model = mm.load_model(checkpoints(kind)[1])
+        runs.append((model, torch.randint(3, 500, (batch, 12), generator=torch.Generator().manual_seed(batch))))
+    used = _count_fast_steps(monkeypatch)
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    caches = [model.lm.make_cache(ids.shape[0], ids.shape[1]) for model, ids in runs]
+    outs = [[] for _ in runs]
+    with torch.no_grad():
+        for (model, ids), cache, out in zip(runs, caches, outs):
+            out.append(model.lm(ids[:, :7], cache=cache))
+        for i in range(7, 12):  # one step of each model in turn
+            for (model, ids), cache, out in zip(runs, caches, outs):
+                out.append(model.lm(ids[:, i : i + 1], cache=cache))
+    assert used == [True] * 10
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "0")
+    for (model, ids), out in zip(runs, outs):
+        assert rel_err(torch.cat(out, 1), _decode_logits(model, ids, steps=5)) < 1e-5
