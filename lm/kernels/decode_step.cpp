@@ -68,7 +68,6 @@ void DecodePlan::add_deltanet(at::Tensor input_norm, at::Tensor in_proj_qkv, at:
   Layer l;
   l.deltanet = true;
   l.mixer = {input_norm, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv, A_log, dt_bias, norm, out_proj};
-  l.num_k_heads = num_k_heads;
   l.gdn = {0, C, conv.size(1) - 1, num_k_heads, Hv, (C - Hv * Dv) / (2 * num_k_heads), Dv};
   const int64_t Vd = Hv * Dv;
   l.ops = {{rows_of(in_proj_qkv, H, "in_proj_qkv"), in_proj_qkv.size(0), H},
@@ -120,8 +119,6 @@ void DecodePlan::add_moe(at::Tensor post_norm, at::Tensor router, at::Tensor gat
   Layer& l = layers_.back();
   l.moe = true;
   l.mlp = {post_norm, router, gate_up, down, shared_gate, shared_up, shared_down, shared_expert_gate};
-  l.top_k = top_k;
-  l.pieces = pieces_per_expert;
   l.moe_w = moe_weights(router, gate_up, down, top_k, shared_gate, shared_up, shared_down, shared_expert_gate,
                         pieces_per_expert);
   TORCH_CHECK(l.moe_w.H == hidden_, "decode plan: the MoE block does not match the hidden size");

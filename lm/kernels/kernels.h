@@ -123,9 +123,8 @@ class DecodePlan {
   };
   struct Layer {
     bool deltanet = false, moe = false;
-    std::vector<at::Tensor> mixer, mlp;  // weights in the order of the add_* arguments
+    std::vector<at::Tensor> mixer, mlp;  // weights in the order of the add_* arguments (kept alive, norms read)
     std::vector<Operand> ops;            // the products' weights: the mixer's projections, then the dense MLP's
-    int64_t num_k_heads = 0, top_k = 0, pieces = 1;
     GdnShape gdn{};  // a DeltaNet layer's shapes (B set per step)
     MoeWeights moe_w{};  // a MoE layer's weights
     double scale = 0;
