@@ -36,25 +36,15 @@ at::Tensor attention_token(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor 
   for (auto* t : {&q, &k, &v, &q_norm_w, &k_norm_w, &cos, &sin, &k_cache, &v_cache}) check(*t, "attention tensors");
   const int64_t B = q.size(0), KV = k_cache.size(1), L = k_cache.size(2), D = k_cache.size(3), R = cos.size(1);
   const int64_t H = q.size(1) / (2 * D);
-  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.dim() == 1 && pos.size(0) == B && pos.is_contiguous(),
-              "attention token: pos must be int64 [B]");
-  const int64_t* pp = pos.data_ptr<int64_t>();
-  int64_t last = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(pp[b] >= 0 && pp[b] < L, "attention token: position ", pp[b], " outside the cache of ", L);
-    last = std::max(last, pp[b]);
-  }
+  check_positions(pos, keep, B, "attention token");
   TORCH_CHECK(q.size(1) == H * 2 * D && k.size(0) == B && k.size(1) == KV * D && v.sizes() == k.sizes() &&
                   k_cache.size(0) == B && v_cache.sizes() == k_cache.sizes() && q_norm_w.numel() == D &&
                   k_norm_w.numel() == D && cos.size(0) == B && sin.sizes() == cos.sizes() && R % 2 == 0 && R <= D,
               "attention token shapes do not match");
-  TORCH_CHECK(!keep.numel() || (keep.scalar_type() == at::kBool && keep.is_contiguous() && keep.dim() == 2 &&
-                                keep.size(0) == B),
-              "attention token: keep must be a contiguous bool [B, keys] tensor or empty");
   auto out = at::empty({B, H * D}, q.options());
   attention_token_into({B, H, KV, L, D}, R, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
                        q_norm_w.data_ptr<float>(), k_norm_w.data_ptr<float>(), float(eps), cos.data_ptr<float>(),
-                       sin.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), pp,
+                       sin.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), pos.data_ptr<int64_t>(),
                        keep.numel() ? keep.data_ptr<bool>() : nullptr, keep.numel() ? keep.size(-1) : 0, scale,
                        out.data_ptr<float>());
   return out;
@@ -66,7 +56,10 @@ void attention_token_into(const AttentionShape& shape, int64_t R, const float* q
                           float* op) {
   const int64_t B = shape.B, H = shape.H, KV = shape.KV, L = shape.L, D = shape.D;
   int64_t last = 0;
-  for (int64_t b = 0; b < B; ++b) last = std::max(last, pp[b]);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(pp[b] >= 0 && pp[b] < L, "attention token: position ", pp[b], " outside the cache of ", L);
+    last = std::max(last, pp[b]);
+  }
   TORCH_CHECK(!keep || keep_keys == last + 1, "attention token: the key mask must cover ", last + 1, " keys, not ",
               keep_keys);
   thread_local std::vector<float> qn_;

@@ -22,7 +22,7 @@ namespace {
 // right after a weight stream while the other threads waited (perf, dense checkpoint int4 batch 1:
 // ~10% of the main thread's time in malloc and ATen's dispatch).
 struct Buffers {
-  enum { NORM, P0, P1, P2, P3, MIX, OUT, X, COS, SIN, HIDDEN, COUNT };
+  enum { NORM, P0, P1, P2, P3, MIX, OUT, FINAL, COS, SIN, HIDDEN, COUNT };
   std::vector<float> b[COUNT];
   float* get(int i, int64_t n) {
     if (int64_t(b[i].size()) < n) b[i].resize(n);
@@ -201,8 +201,6 @@ void DecodePlan::layers(float* h, int64_t B, const std::vector<at::Tensor>& stat
       TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == KV && k_cache.size(3) == D &&
                       v_cache.sizes() == k_cache.sizes() && R % 2 == 0 && R <= D,
                   "decode plan: layer ", i, "'s KV cache does not match the layer");
-      for (int64_t b = 0; b < B; ++b)
-        TORCH_CHECK(pos[b] >= 0 && pos[b] < L, "decode plan: position ", pos[b], " outside the cache of ", L);
       float* mix = buf.get(Buffers::MIX, B * o[3].K);
       attention_token_into({B, o[3].K / D, KV, L, D}, R, q, k, v, w[9].data_ptr<float>(), w[10].data_ptr<float>(),
                            float(eps_), cos, sin, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), pos, keep,
@@ -230,15 +228,6 @@ void DecodePlan::layers(float* h, int64_t B, const std::vector<at::Tensor>& stat
   norm_rows(h, final_norm_.data_ptr<float>(), eps_, B, H, out);
 }
 
-// pos [B] int64 and keep [B, keys] bool or empty: checked, as raw pointers for `layers`
-static void check_positions(const at::Tensor& pos, const at::Tensor& keep, int64_t B) {
-  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.dim() == 1 && pos.size(0) == B && pos.is_contiguous(),
-              "decode plan: pos must be int64 [B]");
-  TORCH_CHECK(!keep.numel() || (keep.scalar_type() == at::kBool && keep.is_contiguous() && keep.dim() == 2 &&
-                                keep.size(0) == B),
-              "decode plan: keep must be a contiguous bool [B, keys] tensor or empty");
-}
-
 at::Tensor DecodePlan::run(at::Tensor x, std::vector<at::Tensor> states, at::Tensor cos, at::Tensor sin,
                            at::Tensor keep, at::Tensor pos) const {
   for (auto* t : {&x, &cos, &sin}) check(*t, "x, cos and sin");
@@ -246,7 +235,7 @@ at::Tensor DecodePlan::run(at::Tensor x, std::vector<at::Tensor> states, at::Ten
               "decode plan: x must be [B, hidden] with 1 to 8 rows");
   const int64_t B = x.size(0);
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == B && sin.sizes() == cos.sizes(), "decode plan: cos, sin must be [B, R]");
-  check_positions(pos, keep, B);
+  check_positions(pos, keep, B, "decode plan");
   float* h = buffers().get(Buffers::HIDDEN, B * hidden_);  // the residual stream, updated in place
   std::copy_n(x.data_ptr<float>(), B * hidden_, h);
   auto out = at::empty({B, hidden_}, x.options());
@@ -282,6 +271,7 @@ at::Tensor DecodePlan::step(at::Tensor ids, at::Tensor positions, std::vector<at
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.size(0) == 3 && positions.numel() == 3 * B &&
                   (positions.dim() == 2 || (positions.dim() == 3 && positions.size(2) == 1)),
               "step: positions must be int64 [3, B] or [3, B, 1]");
+  check_positions(pos, keep, B, "decode plan");
   const auto p = positions.reshape({3, B}).contiguous();
   const int64_t *ip = ids.data_ptr<int64_t>(), *pp = p.data_ptr<int64_t>(), *ax = axis_.data_ptr<int64_t>();
   Buffers& buf = buffers();
@@ -297,13 +287,11 @@ at::Tensor DecodePlan::step(at::Tensor ids, at::Tensor positions, std::vector<at
       sp[b * 2 * F + i] = sp[b * 2 * F + F + i] = std::sin(angle);
     }
   }
-  float* final = buf.get(Buffers::X, B * H);
-  check_positions(pos, keep, B);
+  float* final = buf.get(Buffers::FINAL, B * H);
   layers(xp, B, states, cp, sp, 2 * F, keep.numel() ? keep.data_ptr<bool>() : nullptr, keep.numel() ? keep.size(1) : 0,
          pos.data_ptr<int64_t>(), final);
-  auto logits = at::empty({B, vocab}, inv_freq_.options());
-  TORCH_CHECK(head_op_.N == vocab, "decode plan: the LM head's rows do not match the vocabulary");
-  const Product lm_head{final, B, H, head_op_.W, vocab, H, logits.data_ptr<float>(), head_op_.panels};
+  auto logits = at::empty({B, head_op_.N}, inv_freq_.options());
+  const Product lm_head{final, B, H, head_op_.W, head_op_.N, H, logits.data_ptr<float>(), head_op_.panels};
   run_products(&lm_head, 1);
   return logits;
 }

@@ -28,8 +28,9 @@ struct GdnShape {
 void gdn_decode_into(const GdnShape& shape, const float* qkv, const float* z, const float* b_in, const float* a_in,
                      float* window, const float* conv_w, const float* A_log, const float* dt_bias, float* state,
                      const float* norm_w, float eps, float* out);
-// decode_attention and attention_token on raw float32 rows (their checks done by the caller): the
-// decode step's path. The caches [B, KV, L, D] contiguous; attention_token_into's out [B, H * D].
+// decode_attention and attention_token on raw float32 rows (the shape checks done by the caller;
+// attention_token_into checks the positions against the cache and the mask): the decode step's
+// path. The caches [B, KV, L, D] contiguous; attention_token_into's out [B, H * D].
 struct AttentionShape {
   int64_t B, H, KV, L, D;  // rows, query heads, KV heads, keys (cache length), head dim
 };

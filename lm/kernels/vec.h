@@ -461,6 +461,15 @@ inline void check(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+// A decode step's cache positions pos [B] (int64) and key mask keep [B, keys] (bool, or empty: no mask).
+inline void check_positions(const at::Tensor& pos, const at::Tensor& keep, int64_t B, const char* who) {
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.dim() == 1 && pos.size(0) == B && pos.is_contiguous(), who,
+              ": pos must be int64 [B]");
+  TORCH_CHECK(!keep.numel() || (keep.scalar_type() == at::kBool && keep.is_contiguous() && keep.dim() == 2 &&
+                                keep.size(0) == B),
+              who, ": keep must be a contiguous bool [B, keys] tensor or empty");
+}
+
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 
 // One row of an RMS norm: y = x / rms(x) * (offset + w) over D floats.
