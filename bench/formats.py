@@ -8,7 +8,8 @@ any, e.g. the one `../shared/peers/make_model.py` writes for llama.cpp), for eac
 tok/s at each batch (64 tokens after an 8-token prompt, or after `--context` tokens as llama-bench's
 -d; best of `--rounds`, 2 by default, as llama-bench's tg64), the share of its own bandwidth limit (the bytes one step
 touches: its weights in that format and the cache it reads and writes, DeltaNet states and attended
-keys and values / the read bandwidth probed between every two steps), prefill tok/s of a 512-token
+keys and values, over the read bandwidth probed right before and after each timed run; the median
+over the runs), prefill tok/s of a 512-token
 prompt (llama-bench's pp512: last token's logits only; not run with `--context`), and the error
 against fp32 on the same weights: max relative error of the logits of a 64-token prompt, and greedy
 agreement over 64 new tokens (not run with `--quick`). With `--gguf-dir` (the `PREFIX-q8_0.gguf` /
@@ -22,6 +23,7 @@ other and with llama.cpp's, not with what a trained model loses.
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +32,7 @@ import torch
 
 import mm
 from bench.limits import ReadBandwidth, best_time
-from bench.lm import CONFIG, ExpertCounter, cache_bytes_per_step, median, probed_steps, weight_bytes_per_step
+from bench.lm import CONFIG, ExpertCounter, cache_bytes_per_step, weight_bytes_per_step
 from lm import SamplingParams, stream_generate
 
 
@@ -58,12 +60,20 @@ def real_like(model) -> None:
 
 
 def decode(models: dict, batch: int, new: int, read: ReadBandwidth, rounds: int = 2, context: int = 8) -> dict:
-    """Per format: (tok/s best of `rounds` runs after a `context`-token prompt, median share of the
-    bandwidth limit per probed step, GB per step). The formats take turns (each round runs every
-    one), so that all see the same states of this VM's memory, which move a single run by up to ~40%."""
+    """Per format: (tok/s best of `rounds` runs after a `context`-token prompt, share of the bandwidth
+    limit: median over the runs, GB per step). The formats take turns (each round runs every one), so
+    that all see the same states of this VM's memory, which move a single run by up to ~40%.
+
+    Each run's share is its own: the bytes a step touches times the run's steps a second, over the
+    read bandwidth probed right before and right after the run (the higher of the two: a run during
+    which the memory turned slow is held to the fast state). Steps timed one by one between probes
+    (bench.lm.probed_steps) run cold after each 1 GiB probe, with the recurrent states, caches and
+    activations a step reuses evicted: they were 1-10% slower than a run's steps in the same memory
+    state, so their shares understated the runs whose tok/s this prints (the README, 20th session)."""
     ids = torch.randint(0, next(iter(models.values())).config.text.vocab_size, (batch, context),
                         generator=torch.Generator().manual_seed(batch))
     touched, best = {}, dict.fromkeys(models, float("inf"))
+    shares = {fmt: [] for fmt in models}
     for fmt, model in models.items():
         counter = ExpertCounter(model)
         greedy(model, ids[:, :8], new)  # warm-up; the counter sees the routing
@@ -72,15 +82,14 @@ def decode(models: dict, batch: int, new: int, read: ReadBandwidth, rounds: int 
                         + cache_bytes_per_step(model, batch, context + new // 2))  # at the run's mean context
     for _ in range(rounds):
         for fmt, model in models.items():
+            before = read(repeats=2)
             stamps = [time.perf_counter() for e in stream_generate(model.lm, ids, SamplingParams(max_new_tokens=new))
                       if e.row == 0]
-            best[fmt] = min(best[fmt], (stamps[-1] - stamps[0]) / (len(stamps) - 1))
-    out = {}
-    for fmt, model in models.items():
-        steps = list(probed_steps(model, ids, min(new, 24), read))
-        share = median([touched[fmt] / step / max(a, b) for step, a, b in steps])
-        out[fmt] = (batch / best[fmt], share, touched[fmt] / 1e9)
-    return out
+            after = read(repeats=2)
+            step = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+            best[fmt] = min(best[fmt], step)
+            shares[fmt].append(touched[fmt] / step / max(before, after))
+    return {fmt: (batch / best[fmt], statistics.median(shares[fmt]), touched[fmt] / 1e9) for fmt in models}
 
 
 def greedy(model, ids, new: int) -> list[list[int]]:
