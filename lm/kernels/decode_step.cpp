@@ -154,10 +154,39 @@ void DecodePlan::add_panels(at::Tensor weight, at::Tensor panels) {
   panels_.push_back(panels);
 }
 
+void DecodePlan::check_caches(const std::vector<at::Tensor>& states, int64_t B, int64_t R, const bool* keep,
+                              int64_t keep_keys, const int64_t* pos) const {
+  TORCH_CHECK(states.size() == 2 * layers_.size() && final_norm_.defined(), "decode plan and cache do not match");
+  int64_t last = 0;
+  for (int64_t b = 0; b < B; ++b) last = std::max(last, pos[b]);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& l = layers_[i];
+    TORCH_CHECK(!l.mlp.empty(), "decode plan: layer ", i, " has no MLP");
+    const at::Tensor &a = states[2 * i], &b = states[2 * i + 1];
+    if (l.deltanet) {
+      const GdnShape& g = l.gdn;
+      for (auto* t : {&a, &b}) check(*t, "DeltaNet cache");
+      TORCH_CHECK(a.dim() == 3 && a.size(0) == B && a.size(1) == g.Km1 && a.size(2) == g.C && b.dim() == 4 &&
+                      b.size(0) == B && b.size(1) == g.Hv && b.size(2) == g.Dk && b.size(3) == g.Dv,
+                  "decode plan: layer ", i, "'s DeltaNet cache does not match the layer");
+      continue;
+    }
+    for (auto* t : {&a, &b}) check(*t, "KV cache");
+    const int64_t D = l.mixer[9].numel(), KV = l.ops[1].N / D, L = a.size(2);
+    TORCH_CHECK(a.dim() == 4 && a.size(0) == B && a.size(1) == KV && a.size(3) == D && b.sizes() == a.sizes() &&
+                    R % 2 == 0 && R <= D,
+                "decode plan: layer ", i, "'s KV cache does not match the layer");
+    for (int64_t r = 0; r < B; ++r)  // as attention_token_into checks them, before any layer has stepped
+      TORCH_CHECK(pos[r] >= 0 && pos[r] < L, "decode plan: position ", pos[r], " outside layer ", i, "'s cache of ", L);
+    TORCH_CHECK(!keep || keep_keys == last + 1, "decode plan: the key mask must cover ", last + 1, " keys, not ",
+                keep_keys);
+  }
+}
+
 void DecodePlan::layers(float* h, int64_t B, const std::vector<at::Tensor>& states, const float* cos,
                         const float* sin, int64_t R, const bool* keep, int64_t keep_keys, const int64_t* pos,
                         float* out) const {
-  TORCH_CHECK(states.size() == 2 * layers_.size() && final_norm_.defined(), "decode plan and cache do not match");
+  check_caches(states, B, R, keep, keep_keys, pos);
   const int64_t H = hidden_;
   Buffers& buf = buffers();
   float *n = buf.get(Buffers::NORM, B * H), *y = buf.get(Buffers::OUT, B * H);
@@ -168,17 +197,11 @@ void DecodePlan::layers(float* h, int64_t B, const std::vector<at::Tensor>& stat
     const Layer& l = layers_[i];
     const auto& w = l.mixer;
     const auto& o = l.ops;
-    TORCH_CHECK(!l.mlp.empty(), "decode plan: layer ", i, " has no MLP");
     norm_rows(h, w[0].data_ptr<float>(), eps_, B, H, n);
     if (l.deltanet) {
       GdnShape g = l.gdn;
       g.B = B;
       const at::Tensor &window = states[2 * i], &state = states[2 * i + 1];
-      for (auto* t : {&window, &state}) check(*t, "DeltaNet cache");
-      TORCH_CHECK(window.dim() == 3 && window.size(0) == B && window.size(1) == g.Km1 && window.size(2) == g.C &&
-                      state.dim() == 4 && state.size(0) == B && state.size(1) == g.Hv && state.size(2) == g.Dk &&
-                      state.size(3) == g.Dv,
-                  "decode plan: layer ", i, "'s DeltaNet cache does not match the layer");
       float *qkv = buf.get(Buffers::P0, B * o[0].N), *z = buf.get(Buffers::P1, B * o[1].N);
       float *b = buf.get(Buffers::P2, B * o[2].N), *a = buf.get(Buffers::P3, B * o[3].N);
       const Product in[] = {product(o[0], n, qkv), product(o[1], n, z), product(o[2], n, b), product(o[3], n, a)};
@@ -196,11 +219,7 @@ void DecodePlan::layers(float* h, int64_t B, const std::vector<at::Tensor>& stat
       run_products(in, 3);
       add_bias(q, f32(w[5]), B, o[0].N), add_bias(k, f32(w[6]), B, o[1].N), add_bias(v, f32(w[7]), B, o[2].N);
       const at::Tensor &k_cache = states[2 * i], &v_cache = states[2 * i + 1];
-      for (auto* t : {&k_cache, &v_cache}) check(*t, "KV cache");
       const int64_t D = w[9].numel(), KV = o[1].N / D, L = k_cache.size(2);
-      TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == KV && k_cache.size(3) == D &&
-                      v_cache.sizes() == k_cache.sizes() && R % 2 == 0 && R <= D,
-                  "decode plan: layer ", i, "'s KV cache does not match the layer");
       float* mix = buf.get(Buffers::MIX, B * o[3].K);
       attention_token_into({B, o[3].K / D, KV, L, D}, R, q, k, v, w[9].data_ptr<float>(), w[10].data_ptr<float>(),
                            float(eps_), cos, sin, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), pos, keep,

@@ -136,6 +136,10 @@ class DecodePlan {
   // null (no mask). `run` and `step` check them.
   void layers(float* h, int64_t B, const std::vector<at::Tensor>& states, const float* cos, const float* sin,
               int64_t R, const bool* keep, int64_t keep_keys, const int64_t* pos, float* out) const;
+  // Every layer's cache against the layer, and the positions and key mask against every KV cache,
+  // before the first layer steps: a bad cache or position fails the step with the caches untouched.
+  void check_caches(const std::vector<at::Tensor>& states, int64_t B, int64_t R, const bool* keep, int64_t keep_keys,
+                    const int64_t* pos) const;
   int64_t hidden_ = 0;
   std::vector<Layer> layers_;
   std::vector<at::Tensor> panels_;  // the panel copies the operands point into (kept alive)

@@ -247,3 +247,32 @@ def test_plans_stepped_in_turns_equal_the_reference(checkpoints, monkeypatch):
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "0")
     for (model, ids), out in zip(runs, outs):
         assert rel_err(torch.cat(out, 1), _decode_logits(model, ids, steps=5)) < 1e-5
+
+
+def test_a_bad_cache_fails_the_step_before_any_layer_steps(checkpoints, monkeypatch):
+    """The decode plan checks every layer's cache, and the positions against every KV cache, before
+    the first layer steps: a step given a last KV cache too short for the position (or of the wrong
+    shape) fails naming that layer, and no cache has moved, so the generation can go on."""
+    from lm.cache import KVSlot
+    from lm.decode import _states, _step_plans
+
+    model = mm.load_model(checkpoints("moe_text")[1])
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    ids = torch.randint(3, 500, (1, 6), generator=torch.Generator().manual_seed(7))
+    cache = model.lm.make_cache(1, 8)
+    with torch.no_grad():
+        model.lm(ids[:, :5], cache=cache)
+        model.lm(ids[:, 5:6], cache=cache)  # the first decode step makes the plan
+    plan, states = _step_plans[cache], _states(cache)
+    slots = list(cache.slots.values())
+    last = max(i for i, s in enumerate(slots) if isinstance(s, KVSlot))
+    assert any(not isinstance(s, KVSlot) for s in slots[:last])  # DeltaNet layers step before it
+    before = [s.clone() for s in states]
+    k, v = states[2 * last], states[2 * last + 1]
+    for bad in ((k[:, :, :6].contiguous(), v[:, :, :6].contiguous()), (k[:, :1].contiguous(), v)):
+        broken = states[: 2 * last] + list(bad) + states[2 * last + 2 :]
+        with pytest.raises(RuntimeError, match=f"layer {last}"):
+            plan.step_tokens([7], [6], broken, torch.empty(0, dtype=torch.bool), [6])
+        assert all(torch.equal(a, b) for a, b in zip(states, before))
+    logits = plan.step_tokens([7], [6], states, torch.empty(0, dtype=torch.bool), [6])
+    assert torch.isfinite(logits).all()
