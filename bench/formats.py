@@ -61,7 +61,8 @@ def real_like(model) -> None:
 
 def decode(models: dict, batch: int, new: int, read: ReadBandwidth, rounds: int = 2, context: int = 8) -> dict:
     """Per format: (tok/s best of `rounds` runs after a `context`-token prompt, share of the bandwidth
-    limit: median over the runs, GB per step). The formats take turns (each round runs every one), so
+    limit: median over the runs, GB per step, the bandwidth probed beside the best run: which memory
+    state it caught). The formats take turns (each round runs every one), so
     that all see the same states of this VM's memory, which move a single run by up to ~40%.
 
     Each run's share is its own: the bytes a step touches times the run's steps a second, over the
@@ -72,7 +73,7 @@ def decode(models: dict, batch: int, new: int, read: ReadBandwidth, rounds: int 
     state, so their shares understated the runs whose tok/s this prints (the README, 20th session)."""
     ids = torch.randint(0, next(iter(models.values())).config.text.vocab_size, (batch, context),
                         generator=torch.Generator().manual_seed(batch))
-    touched, best = {}, dict.fromkeys(models, float("inf"))
+    touched, best, best_probe = {}, dict.fromkeys(models, float("inf")), {}
     shares = {fmt: [] for fmt in models}
     for fmt, model in models.items():
         counter = ExpertCounter(model)
@@ -87,9 +88,11 @@ def decode(models: dict, batch: int, new: int, read: ReadBandwidth, rounds: int 
                       if e.row == 0]
             after = read(repeats=2)
             step = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
-            best[fmt] = min(best[fmt], step)
+            if step < best[fmt]:
+                best[fmt], best_probe[fmt] = step, max(before, after)
             shares[fmt].append(touched[fmt] / step / max(before, after))
-    return {fmt: (batch / best[fmt], statistics.median(shares[fmt]), touched[fmt] / 1e9) for fmt in models}
+    return {fmt: (batch / best[fmt], statistics.median(shares[fmt]), touched[fmt] / 1e9, best_probe[fmt])
+            for fmt in models}
 
 
 def greedy(model, ids, new: int) -> list[list[int]]:
@@ -200,8 +203,9 @@ def main() -> None:
         rows = [(fmt, {b: decs[b][fmt] for b in decs}, pres[fmt], errors[fmt], loads[fmt]) for fmt in models]
         for fmt, dec, pre, _, _ in rows:
             print(f"  {fmt}: prefill 512 {pre:.1f} tok/s; "
-                  + "; ".join(f"batch {b} {t:.1f} tok/s ({sh * 100:.0f}% of the limit, {gb:.2f} GB/step)"
-                              for b, (t, sh, gb) in dec.items()), flush=True)
+                  + "; ".join(f"batch {b} {t:.1f} tok/s ({sh * 100:.0f}% of the limit, {gb:.2f} GB/step; "
+                              f"best run beside a {bw / 1e9:.0f} GB/s probe)" for b, (t, sh, gb, bw) in dec.items()),
+                  flush=True)
         names = list(models)
         del models  # before the fp32 models of the GGUF comparison
         if "fp32" in names and args.gguf_dir and reference:
@@ -214,11 +218,11 @@ def main() -> None:
                     print(f"  llama.cpp {quant} tensors: logits rel err {e[0]:.2e}, greedy agreement {e[1] * 100:.0f}%")
                     del model
         print(f"\nread bandwidth now {read() / 1e9:.1f} GB/s; {torch.get_num_threads()} threads")
-        base = {b: t for b, (t, _, _) in rows[0][1].items()}
+        base = {b: t for b, (t, _, _, _) in rows[0][1].items()}
         print(f"{'format':8s}" + "".join(f"{'B' + str(b) + ' tok/s':>12s}{'x ' + rows[0][0]:>9s}{'limit':>7s}" for b in base)
               + f"{'pp512':>8s}{'rel err':>10s}{'greedy':>8s}")
         for fmt, dec, pre, err, _ in rows:
-            print(f"{fmt:8s}" + "".join(f"{t:12.1f}{t / base[b]:8.2f}x{s * 100:6.0f}%" for b, (t, s, _) in dec.items())
+            print(f"{fmt:8s}" + "".join(f"{t:12.1f}{t / base[b]:8.2f}x{s * 100:6.0f}%" for b, (t, s, _, _) in dec.items())
                   + f"{pre:8.1f}{err[0]:10.2e}{err[1] * 100:7.0f}%")
 
 
