@@ -70,7 +70,8 @@ def decode(models: dict, batch: int, new: int, read: ReadBandwidth, rounds: int 
     which the memory turned slow is held to the fast state). Steps timed one by one between probes
     (bench.lm.probed_steps) run cold after each 1 GiB probe, with the recurrent states, caches and
     activations a step reuses evicted: they were 1-10% slower than a run's steps in the same memory
-    state, so their shares understated the runs whose tok/s this prints (the README, 20th session)."""
+    state, so their shares understated the runs whose tok/s this prints (docs/weight-formats-log.md,
+    20th session)."""
     ids = torch.randint(0, next(iter(models.values())).config.text.vocab_size, (batch, context),
                         generator=torch.Generator().manual_seed(batch))
     touched, best, best_probe = {}, dict.fromkeys(models, float("inf")), {}
