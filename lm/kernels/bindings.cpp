@@ -12,6 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("panels"));
   m.def("multi_linear", &multi_linear, "[x W_i^T for each W_i], one parallel region", py::arg("x"),
         py::arg("weights"), py::arg("panels") = std::vector<at::Tensor>());
+  m.def("int8_linear", &int8_linear, "y = x W^T for many rows of x and a Q8_0 / Q4_0 W, x rounded to Q8_0 (prefill)",
+        py::arg("x"), py::arg("weight"));
   m.def("dequantize", &dequantize, "a weight of any format (formats.h) [..., N, row] -> float32 [..., N, K]",
         py::arg("weight"), py::arg("K"));
   // the accumulator width the format kernels were built with (16 floats with AVX-512, 8 with AVX2)

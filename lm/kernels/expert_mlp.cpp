@@ -4,8 +4,12 @@
 // One expert's group at a time per thread (its GEMMs single-threaded, taken dynamically from a shared
 // counter, largest first) instead of multi-threaded GEMMs one expert after another: the short-K
 // down products in particular run ~25% faster, and the gate/up activations stay in cache.
-// Weights in a compact format (formats.h) are converted to float32 per expert into the thread's
-// scratch first: once per expert per prefill call, shared by all of its token rows.
+// Q8_0 / Q4_0 experts with int8 activations on (the default) take the decode products' int8 path:
+// each group's rows of x, then their activations, rounded to Q8_0 blocks, and integer dot products
+// (int8_dot.h: the same error as in decode; in turns against the float32 conversion below, ~2x on
+// the GEMMs). Other compact formats (bf16, or int8 activations off) are converted to float32 per
+// expert into the thread's scratch first: once per expert per prefill call, shared by all of its
+// token rows.
 
 #include "vec.h"
 
@@ -31,6 +35,7 @@ at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Ten
   const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2, N = x.size(0), H = x.size(1), S = token.numel();
   const Rows gu = rows_of(gate_up, H, "experts.gate_up_proj"), dn = rows_of(down, I, "experts.down_proj");
   const bool compact = gu.fmt != F32 || dn.fmt != F32;
+  const bool i8 = int8_path(gu) && int8_path(dn);  // Q8_0 / Q4_0 experts with int8 activations on
   TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && down.size(0) == E && down.size(1) == H &&
                   offsets.numel() == E + 1 && offsets.scalar_type() == at::kLong &&
                   token.scalar_type() == at::kLong && weight.numel() == S,
@@ -50,11 +55,24 @@ at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Ten
   at::parallel_for(0, T, 1, [&](int64_t, int64_t) {
     c10::NoGradGuard no_grad;  // inference only (grad mode is per thread)
     at::Tensor gate_up_f, down_f;  // this thread's float32 copy of the current expert (compact formats)
-    if (compact) gate_up_f = at::empty({2 * I, H}, x.options()), down_f = at::empty({H, I}, x.options());
+    QuantizedX xq;  // this thread's current expert's rows of x, then of act, in Q8_0 blocks (int8 path)
+    if (compact && !i8) gate_up_f = at::empty({2 * I, H}, x.options()), down_f = at::empty({H, I}, x.options());
     for (int64_t i = next++; i < E; i = next++) {
       const int64_t e = order[i], r0 = op[e], rows = op[e + 1] - r0;
       if (rows == 0) break;  // sorted: the rest are empty
       auto xe = at::index_select(x, 0, tok.narrow(0, r0, rows));  // [rows, H]
+      if (i8) {  // x and act rounded to Q8_0, integer dot products (int8_dot.h), no float32 copy
+        auto h = at::empty({rows, 2 * I}, x.options());
+        auto act = at::empty({rows, I}, x.options());
+        ys[e] = at::empty({rows, H}, x.options());
+        float *hp = h.data_ptr<float>(), *ap = act.data_ptr<float>();
+        quantize_x(xe.data_ptr<float>(), rows, H, H, xq);
+        block_i8_rows(xq, rows, gu.from(e * 2 * I), 0, 2 * I, hp, 2 * I);
+        for (int64_t r = 0; r < rows; ++r) silu_mul(hp + r * 2 * I, hp + r * 2 * I + I, ap + r * I, I);
+        quantize_x(ap, rows, I, I, xq);
+        block_i8_rows(xq, rows, dn.from(e * H), 0, H, ys[e].data_ptr<float>(), H);
+        continue;
+      }
       if (compact) {
         to_float(gu.from(e * 2 * I), 2 * I, H, gate_up_f.data_ptr<float>());
         to_float(dn.from(e * H), H, I, down_f.data_ptr<float>());

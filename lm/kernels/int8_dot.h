@@ -60,12 +60,10 @@ inline int quantize_block(const float* xb, int8_t* q, float& d) {
 }
 #endif
 
-inline void quantize_x(const float* x, int64_t M, int64_t ldx, int64_t K, QuantizedX& out) {
-  out.K = K;
-  out.q.resize(M * K);
-  out.d.resize(M * K / QK);
-  out.sum8.resize(M * K / QK);
-  for (int64_t m = 0; m < M; ++m)
+// Rows [m0, m1) of x into out, which holds room for them (quantize_x sizes it).
+inline void quantize_x_rows(const float* x, int64_t m0, int64_t m1, int64_t ldx, QuantizedX& out) {
+  const int64_t K = out.K;
+  for (int64_t m = m0; m < m1; ++m)
     for (int64_t b = 0; b < K / QK; ++b) {
       const float* xb = x + m * ldx + b * QK;
       int8_t* q = out.q.data() + m * K + b * QK;
@@ -83,6 +81,18 @@ inline void quantize_x(const float* x, int64_t M, int64_t ldx, int64_t K, Quanti
       out.d[m * (K / QK) + b] = d;
       out.sum8[m * (K / QK) + b] = 8 * sum;
     }
+}
+
+inline void size_quantized_x(int64_t M, int64_t K, QuantizedX& out) {
+  out.K = K;
+  out.q.resize(M * K);
+  out.d.resize(M * K / QK);
+  out.sum8.resize(M * K / QK);
+}
+
+inline void quantize_x(const float* x, int64_t M, int64_t ldx, int64_t K, QuantizedX& out) {
+  size_quantized_x(M, K, out);
+  quantize_x_rows(x, 0, M, ldx, out);
 }
 
 #if defined(__AVX2__)
@@ -307,6 +317,15 @@ constexpr bool INT8_DOT = false;
 constexpr bool VNNI = false;
 inline void block_i8(const QuantizedX&, int64_t, const Rows&, int64_t, int64_t, float*, int64_t, int64_t = 0) {}
 #endif
+
+// block_i8 for many rows of x (prefill): x's rows in tiles of at most 64 KiB of quants, so that a
+// tile stays in L2 while the weight groups of [n0, n1) are read against it (each group from L1 for
+// all of the tile's rows). Each row's y is the same bit for bit as in a product of that row alone.
+inline void block_i8_rows(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y,
+                          int64_t ldy) {
+  const int64_t tile = std::max<int64_t>(4, (int64_t(64) << 10) / std::max<int64_t>(x.K, 1) / 4 * 4);
+  for (int64_t m0 = 0; m0 < M; m0 += tile) block_i8(x, std::min(tile, M - m0), W, n0, n1, y + m0 * ldy, ldy, m0);
+}
 
 // Whether products with W take the int8-activation path.
 inline bool int8_path(const Rows& W) { return INT8_DOT && int8_activations() && (W.fmt == Q8_0 || W.fmt == Q4_0); }

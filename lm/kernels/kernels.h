@@ -13,6 +13,7 @@
 // panels: a panel copy of W (kernels.panels; vec.h), used for 5-8 rows, or an empty tensor
 at::Tensor small_m_linear(at::Tensor x, at::Tensor W, at::Tensor panels);
 std::vector<at::Tensor> multi_linear(at::Tensor x, std::vector<at::Tensor> weights, std::vector<at::Tensor> panels);
+at::Tensor int8_linear(at::Tensor x, at::Tensor W);
 at::Tensor grouped_linear(at::Tensor x, at::Tensor W, at::Tensor experts, at::Tensor offsets);
 at::Tensor dequantize(at::Tensor w, int64_t K);
 at::Tensor gated_delta_step(at::Tensor state, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor decay,

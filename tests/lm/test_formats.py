@@ -205,6 +205,57 @@ def test_moe_decode_rows_together_equal_each_row_alone_with_int8_activations(ker
         assert rel_err(together[n : n + 1], moe(x[n : n + 1])) < 1e-6
 
 
+@pytest.mark.parametrize("fmt", [INT8, INT4])
+def test_prefill_products_with_int8_activations(kernels_on, fmt):
+    """More rows than a decode batch (prefill) take int8_linear: x rounded to Q8_0 blocks, equal to
+    the float64 product with those activations, and each row the same bits as that row alone in a
+    decode product (the same integer dots and scaling), so prefill and decode agree."""
+    if not kernels._kernels().INT8_DOT:
+        pytest.skip("the int8 dot products are built for AVX2 only")
+    kernels.set_int8_activations(True)
+    w, g = _weights(n=56, seed=4), torch.Generator().manual_seed(5)
+    q, wf = fmt.quantize(w), fmt.dequantize(fmt.quantize(w), 256).double()
+    rows = 3 * kernels.MAX_ROWS + 5
+    x = torch.randn(rows, 256, generator=g)
+    blocks_ = x.view(rows, -1, 32)
+    d = blocks_.abs().amax(-1, keepdim=True) / 127
+    xq = (torch.round(blocks_ / d) * d).view(rows, 256).double()
+    y = kernels.linear(x.view(1, rows, 256), q)[0]
+    assert rel_err(y.double(), xq @ wf.T) < 1e-5
+    assert 1e-4 < rel_err(y.double(), x.double() @ wf.T) < 2e-2  # the rounding is real
+    for r in (0, 7, rows - 1):
+        assert torch.equal(y[r : r + 1], kernels.linear(x[r : r + 1], q))
+    kernels.set_int8_activations(False)  # off: the weight converted to float32, then the GEMM
+    assert rel_err(kernels.linear(x, q).double(), x.double() @ wf.T) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", [INT8, INT4])
+def test_prefill_experts_equal_decode_experts_with_int8_activations(kernels_on, fmt):
+    """expert_mlp (prefill) and moe_decode round x and each expert's activations to Q8_0 the same
+    way and take the same integer dots: each token's experts agree up to the order of the float sums
+    (the shared expert is zeroed here: prefill runs it through the layers' own products)."""
+    if not kernels._kernels().INT8_DOT:
+        pytest.skip("the int8 dot products are built for AVX2 only")
+    kernels.set_int8_activations(True)
+    g = torch.Generator().manual_seed(11)
+    E, K, H, I, Is, N = 8, 2, 96, 64, 32, 24
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.2
+
+    router, gate_up, down = w(E, H), fmt.quantize(w(E, 2 * I, H)), fmt.quantize(w(E, H, I))
+    shared = [fmt.quantize(w(Is, H)), fmt.quantize(w(Is, H)), fmt.quantize(torch.zeros(H, Is))]
+    x = torch.randn(N, H, generator=g)
+    probs = (x @ router.T).softmax(-1)
+    top = probs.topk(K, dim=-1)
+    weights = top.values / top.values.sum(-1, keepdim=True)
+    order = top.indices.flatten().argsort(stable=True)
+    counts = torch.bincount(top.indices.flatten(), minlength=E)
+    prefill = kernels.expert_mlp(x, gate_up, down, counts, order // K, weights.flatten()[order])
+    decode = torch.cat([kernels.moe_decode(x[n : n + 1], router, gate_up, down, K, *shared, w(H)) for n in range(N)])
+    assert rel_err(prefill, decode) < 1e-5
+
+
 def test_weights_specs():
     assert policy.parse("int4")["embed"] == "auto" and policy.parse("int4")["experts"] == "int4"
     parts = policy.parse("int4,attention=int8,embed=fp32")
