@@ -74,7 +74,8 @@ def _kernels():
                 _state["module"] = load_kernels()
                 if not _state["module"].INT8_DOT:  # said once: this build's Q8_0 / Q4_0 products
                     print("[qwen35] the int8 dot products of the CPU kernels need AVX2, which this build lacks: "
-                          "int8 / int4 weights decode with float32 activations (slower)", file=sys.stderr)
+                          "int8 / int4 weights decode with float32 activations and prefill through float32 "
+                          "copies (slower)", file=sys.stderr)
             except Exception as e:  # noqa: BLE001 - any build failure means "no kernels"
                 if current == "1":
                     raise RuntimeError(f"QWEN35_CPU_KERNELS=1 but the CPU kernels did not build: {e}") from e
