@@ -7,7 +7,8 @@ Builds the kernels of `--base` (default HEAD: the committed version, against the
 in a temporary git worktree, and the current tree's, loads both modules into this process and runs
 the same work through each in turn: whole greedy decode steps of a checkpoint (default: a random one
 with bench/lm.py's proportions, as bench.formats makes), or with `--products` the decode products
-of bench.products. Each round runs A then B or B then A (alternating), and the medians over rounds
+of bench.products (with `--batch` over 8, the prefill products of int8 / int4 weights, `int8_linear`,
+in GFLOP/s). Each round runs A then B or B then A (alternating), and the medians over rounds
 are compared. This machine's memory moves between states (read bandwidth ~30 and ~60 GB/s, within
 seconds) that shift a single run by up to 40%, more than most changes a kernel edit makes; runs
 taken in turns see the same states, so their ratio keeps what separate runs lose in the noise.
@@ -112,14 +113,24 @@ def main() -> None:
             weights = [(w, torch.randn(args.batch, k)) for w, (_, k) in zip(weights_in(FORMATS[fmt], SHAPES), SHAPES)]
             total = sum(w.numel() * w.element_size() for w, _ in weights)
 
+            if args.batch > kernels.MAX_ROWS:  # prefill: int8_linear, rated in FLOP/s (compute-bound)
+                if fmt not in ("int8", "int4"):
+                    raise SystemExit(f"--products with more than {kernels.MAX_ROWS} rows: int8 / int4 only")
+                weights = weights[:8]
+                total = sum(2 * args.batch * x.shape[1] * w.shape[0] for w, x in weights)
+
             def run(module, weights=weights, total=total):
                 start = time.perf_counter()
                 for w, x in weights:
-                    module.small_m_linear(x, w, kernels._NO_PANELS)
+                    if args.batch > kernels.MAX_ROWS:
+                        module.int8_linear(x, w)
+                    else:
+                        module.small_m_linear(x, w, kernels._NO_PANELS)
                 return total / (time.perf_counter() - start)
 
             ra, rb = alternate(a, b, args.rounds, run)
-            print(f"{fmt} products, {args.batch} row(s): A {ra / 1e9:.1f} GB/s, B {rb / 1e9:.1f} GB/s, "
+            unit = "GFLOP/s" if args.batch > kernels.MAX_ROWS else "GB/s"
+            print(f"{fmt} products, {args.batch} row(s): A {ra / 1e9:.1f} {unit}, B {rb / 1e9:.1f} {unit}, "
                   f"B/A {rb / ra:.3f} (read bandwidth now {probe(3) / 1e9:.0f} GB/s)", flush=True)
         return
 
