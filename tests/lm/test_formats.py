@@ -175,6 +175,21 @@ def test_grouped_and_moe_decode_kernels_with_compact_experts(kernels_on, fmt):
             assert 1e-6 < rel_err(block(x), dense(x)) < 2e-2  # ~1.0% for both formats here
 
 
+def _int8_moe(fmt, seed, E, H, I, Is):
+    """Random MoE weights in `fmt` with int8 activations on (skips where the build lacks the int8
+    dots): (w, a maker of more random tensors; router; gate_up; down; the shared expert's three)."""
+    if not kernels._kernels().INT8_DOT:
+        pytest.skip("the int8 dot products are built for AVX2 only")
+    kernels.set_int8_activations(True)
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.2
+
+    router, gate_up, down = w(E, H), fmt.quantize(w(E, 2 * I, H)), fmt.quantize(w(E, H, I))
+    return w, router, gate_up, down, [fmt.quantize(w(Is, H)), fmt.quantize(w(Is, H)), fmt.quantize(w(H, Is))]
+
+
 @pytest.mark.parametrize("fmt", [INT8, INT4])
 def test_moe_decode_rows_together_equal_each_row_alone_with_int8_activations(kernels_on, fmt):
     """moe_decode quantizes x to Q8_0 once: an expert one token chose reads that token's row in place,
@@ -182,18 +197,9 @@ def test_moe_decode_rows_together_equal_each_row_alone_with_int8_activations(ker
     equal the same row alone (the same integer dots; only the order of the float sums over the
     experts differs), for both kinds of expert, and for an expert of 5 rows (its fifth row takes
     the one-row kernel)."""
-    if not kernels._kernels().INT8_DOT:
-        pytest.skip("the int8 dot products are built for AVX2 only")
-    kernels.set_int8_activations(True)
-    g = torch.Generator().manual_seed(10)
     E, K, H, I, Is, N = 6, 2, 96, 32, 64, 8
-
-    def w(*shape):
-        return torch.randn(*shape, generator=g) * 0.2
-
-    router, gate_up, down = w(E, H), fmt.quantize(w(E, 2 * I, H)), fmt.quantize(w(E, H, I))
-    shared = [fmt.quantize(w(Is, H)), fmt.quantize(w(Is, H)), fmt.quantize(w(H, Is))]
-    shared_gate, x = w(H), torch.randn(N, H, generator=g)
+    w, router, gate_up, down, shared = _int8_moe(fmt, 10, E, H, I, Is)
+    shared_gate, x = w(H), w(N, H) / 0.2
     counts = torch.bincount((x @ router.T).topk(K, dim=-1).indices.flatten(), minlength=E)
     assert (counts == 1).any() and (counts >= 5).any()  # both kinds of expert, one of 5 rows
 
@@ -234,18 +240,10 @@ def test_prefill_experts_equal_decode_experts_with_int8_activations(kernels_on, 
     """expert_mlp (prefill) and moe_decode round x and each expert's activations to Q8_0 the same
     way and take the same integer dots: each token's experts agree up to the order of the float sums
     (the shared expert is zeroed here: prefill runs it through the layers' own products)."""
-    if not kernels._kernels().INT8_DOT:
-        pytest.skip("the int8 dot products are built for AVX2 only")
-    kernels.set_int8_activations(True)
-    g = torch.Generator().manual_seed(11)
     E, K, H, I, Is, N = 8, 2, 96, 64, 32, 24
-
-    def w(*shape):
-        return torch.randn(*shape, generator=g) * 0.2
-
-    router, gate_up, down = w(E, H), fmt.quantize(w(E, 2 * I, H)), fmt.quantize(w(E, H, I))
-    shared = [fmt.quantize(w(Is, H)), fmt.quantize(w(Is, H)), fmt.quantize(torch.zeros(H, Is))]
-    x = torch.randn(N, H, generator=g)
+    w, router, gate_up, down, shared = _int8_moe(fmt, 11, E, H, I, Is)
+    shared[2] = fmt.quantize(torch.zeros(H, Is))
+    x = w(N, H) / 0.2
     probs = (x @ router.T).softmax(-1)
     top = probs.topk(K, dim=-1)
     weights = top.values / top.values.sum(-1, keepdim=True)
