@@ -32,7 +32,7 @@ import torch
 
 import mm
 from bench.limits import ReadBandwidth, best_time
-from bench.lm import CONFIG, ExpertCounter, cache_bytes_per_step, weight_bytes_per_step
+from bench.lm import CONFIG, ExpertCounter, cache_bytes_per_step, probed_run, weight_bytes_per_step
 from lm import SamplingParams, stream_generate
 
 
@@ -84,11 +84,7 @@ def decode(models: dict, batch: int, new: int, read: ReadBandwidth, rounds: int 
                         + cache_bytes_per_step(model, batch, context + new // 2))  # at the run's mean context
     for _ in range(rounds):
         for fmt, model in models.items():
-            before = read(repeats=2)
-            stamps = [time.perf_counter() for e in stream_generate(model.lm, ids, SamplingParams(max_new_tokens=new))
-                      if e.row == 0]
-            after = read(repeats=2)
-            step = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+            step, before, after = probed_run(model, ids, new, read)
             if step < best[fmt]:
                 best[fmt], best_probe[fmt] = step, max(before, after)
             shares[fmt].append(touched[fmt] / step / max(before, after))
