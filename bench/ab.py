@@ -109,27 +109,26 @@ def main() -> None:
         from bench.products import SHAPES, weights_in
         from lm.formats import FORMATS
 
+        prefill = args.batch > kernels.MAX_ROWS  # int8_linear, rated in FLOP/s (compute-bound)
+        if prefill and set(formats) - {"int8", "int4"}:
+            raise SystemExit(f"--products with more than {kernels.MAX_ROWS} rows: int8 / int4 only")
+        shapes = SHAPES[:8] if prefill else SHAPES
         for fmt in formats:
-            weights = [(w, torch.randn(args.batch, k)) for w, (_, k) in zip(weights_in(FORMATS[fmt], SHAPES), SHAPES)]
-            total = sum(w.numel() * w.element_size() for w, _ in weights)
-
-            if args.batch > kernels.MAX_ROWS:  # prefill: int8_linear, rated in FLOP/s (compute-bound)
-                if fmt not in ("int8", "int4"):
-                    raise SystemExit(f"--products with more than {kernels.MAX_ROWS} rows: int8 / int4 only")
-                weights = weights[:8]
-                total = sum(2 * args.batch * x.shape[1] * w.shape[0] for w, x in weights)
+            weights = [(w, torch.randn(args.batch, k)) for w, (_, k) in zip(weights_in(FORMATS[fmt], shapes), shapes)]
+            total = sum(2 * args.batch * k * n if prefill else w.numel() * w.element_size()
+                        for (w, _), (n, k) in zip(weights, shapes))
 
             def run(module, weights=weights, total=total):
                 start = time.perf_counter()
                 for w, x in weights:
-                    if args.batch > kernels.MAX_ROWS:
+                    if prefill:
                         module.int8_linear(x, w)
                     else:
                         module.small_m_linear(x, w, kernels._NO_PANELS)
                 return total / (time.perf_counter() - start)
 
             ra, rb = alternate(a, b, args.rounds, run)
-            unit = "GFLOP/s" if args.batch > kernels.MAX_ROWS else "GB/s"
+            unit = "GFLOP/s" if prefill else "GB/s"
             print(f"{fmt} products, {args.batch} row(s): A {ra / 1e9:.1f} {unit}, B {rb / 1e9:.1f} {unit}, "
                   f"B/A {rb / ra:.3f} (read bandwidth now {probe(3) / 1e9:.0f} GB/s)", flush=True)
         return

@@ -39,6 +39,14 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
+def q8_0_round(v: torch.Tensor) -> torch.Tensor:
+    """v [..., K] rounded to GGUF Q8_0 blocks of 32 (scale max|v| / 127), back in float32: the
+    activations the int8 dot products take (lm/kernels/int8_dot.h)."""
+    blocks = v.reshape(*v.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(blocks / d) * d).reshape(v.shape)
+
+
 def count_step_tokens(monkeypatch, module) -> list[bool]:
     """A list that records, for each call of `module.step_tokens` from now on (lm.engine's or
     lm.scheduler's), whether the CPU plan took the step (lm.decode.step_tokens gave logits)."""

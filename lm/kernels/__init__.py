@@ -148,25 +148,25 @@ def panels(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a weight in any format (lm/formats), through the small-batch
     kernel when it applies; decode rows (one token each, x [B, 1, K]) from `panel_rows()` on
-    through the weight's panel copy. A compact weight with more rows (prefill) or without the
-    kernels is converted to float32 for this call."""
+    through the weight's panel copy. A Q8_0 / Q4_0 weight with more rows (prefill) takes the int8
+    dot products (int8_linear) while int8 activations are on; another compact weight with more
+    rows, or any without the kernels, is converted to float32 for this call."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     compact = weight.dtype != x.dtype  # a compact format (lm/formats): F.linear cannot read it
-    if rows > MAX_ROWS and weight.dtype == torch.uint8 and int8_activations() and (k := _fusable(x)) is not None:
+    if rows > MAX_ROWS and weight.dtype == torch.uint8 and int8_activations(x):
         # Q8_0 / Q4_0 weights (the only uint8 formats) in prefill: the int8 dot products, no float32 copy
-        y = k.int8_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight)
-        if bias is not None:
-            y += bias
-        return y.view(*x.shape[:-1], weight.shape[0])
-    takes_kernel = 0 < rows <= MAX_ROWS if compact else rows > 0 and _eligible(rows, weight)
-    if not takes_kernel or (k := _fusable(x)) is None:
-        if compact:
-            from ..formats import to_float
+        y = _kernels().int8_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight)
+    else:
+        takes_kernel = 0 < rows <= MAX_ROWS if compact else rows > 0 and _eligible(rows, weight)
+        if not takes_kernel or (k := _fusable(x)) is None:
+            if compact:
+                from ..formats import to_float
 
-            weight = to_float(weight, x.shape[-1]).to(x.dtype)
-        return F.linear(x, weight, bias)
-    decode = x.dim() == 3 and x.shape[1] == 1 and rows >= panel_rows()
-    y = k.small_m_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, panels(weight) if decode else _NO_PANELS)
+                weight = to_float(weight, x.shape[-1]).to(x.dtype)
+            return F.linear(x, weight, bias)
+        decode = x.dim() == 3 and x.shape[1] == 1 and rows >= panel_rows()
+        y = k.small_m_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight,
+                             panels(weight) if decode else _NO_PANELS)
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], weight.shape[0])
@@ -288,16 +288,16 @@ def set_int8_activations(on: bool) -> None:
     to dequantize-then-matmul up to float32 rounding). Decode: ~2x faster on AVX2. Prefill
     (`linear` of more than MAX_ROWS rows, the routed experts of expert_mlp): the weights are read
     as they are instead of converted to float32 for MKL's SGEMM, 1.7-2.5x faster on the GEMMs."""
-    _state["int8_activations"] = bool(on)
     if (k := _kernels()) is not None:
         k.set_int8_activations(on)
 
 
-def int8_activations() -> bool:
+def int8_activations(x: torch.Tensor | None = None) -> bool:
     """Whether Q8_0 / Q4_0 products round their activations to Q8_0 (set_int8_activations): on
-    where the kernels have the int8 dot products (AVX2 builds on), unless switched off."""
-    k = _kernels()
-    return k is not None and bool(k.INT8_DOT) and _state.get("int8_activations", True)
+    where the kernels have the int8 dot products (AVX2 builds on), unless switched off; with x, and
+    the kernels take x (float32 on CPU)."""
+    k = _kernels() if x is None else _fusable(x)
+    return k is not None and bool(k.INT8_DOT) and k.int8_activations()
 
 
 def moe_decode(x, router, gate_up, down, top_k, shared_gate, shared_up, shared_down, shared_expert_gate):

@@ -21,7 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("INT8_DOT") = qwen35::INT8_DOT;  // built with the int8-activation dot products (AVX2)
   m.attr("VNNI") = qwen35::VNNI;  // ... and they use vpdpbusd (AVX512-VNNI or AVX-VNNI)
   m.def("set_int8_activations", [](bool on) { qwen35::int8_activations() = on; },
-        "Q8_0 / Q4_0 decode products with activations quantized to Q8_0 (on) or in float32 (off)");
+        "Q8_0 / Q4_0 products with activations quantized to Q8_0 (on) or in float32 (off)");
+  m.def("int8_activations", [] { return qwen35::int8_activations(); }, "whether set_int8_activations is on");
   m.def("grouped_linear", &grouped_linear, "per-expert y = x W[e]^T over rows grouped by expert");
   m.def("gated_delta_step", &gated_delta_step, "in-place gated delta rule decode step (float32, CPU)");
   m.def("gdn_decode", &gdn_decode, "a Gated DeltaNet decode step from projections to out_proj input");

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import mm
 from lm import kernels
 from lm.formats import BF16, FP32, INT4, INT8, blocks, format_of, policy, to_float
-from tests.conftest import rel_err
+from tests.conftest import q8_0_round, rel_err
 
 
 @pytest.fixture
@@ -223,9 +223,7 @@ def test_prefill_products_with_int8_activations(kernels_on, fmt):
     q, wf = fmt.quantize(w), fmt.dequantize(fmt.quantize(w), 256).double()
     rows = 3 * kernels.MAX_ROWS + 5
     x = torch.randn(rows, 256, generator=g)
-    blocks_ = x.view(rows, -1, 32)
-    d = blocks_.abs().amax(-1, keepdim=True) / 127
-    xq = (torch.round(blocks_ / d) * d).view(rows, 256).double()
+    xq = q8_0_round(x).double()
     y = kernels.linear(x.view(1, rows, 256), q)[0]
     assert rel_err(y.double(), xq @ wf.T) < 1e-5
     assert 1e-4 < rel_err(y.double(), x.double() @ wf.T) < 2e-2  # the rounding is real

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import mm
 from lm import kernels
-from tests.conftest import rel_err
+from tests.conftest import q8_0_round, rel_err
 
 
 @pytest.fixture
@@ -182,13 +182,6 @@ def test_moe_decode_gives_the_same_bits_on_every_call(monkeypatch, rows, pieces)
         torch.set_num_threads(before)
 
 
-def _q8(v: torch.Tensor) -> torch.Tensor:
-    """v [..., K] rounded to Q8_0 blocks of 32 (float32 scale max|v| / 127), as float32."""
-    blocks = v.reshape(*v.shape[:-1], -1, 32)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
-    return (torch.round(blocks / d) * d).reshape(v.shape)
-
-
 @pytest.mark.parametrize("fmt,int8", [("fp32", False), ("int4", False), ("int4", True), ("int8", True)])
 def test_prefill_experts_give_the_same_bits_on_every_call_and_thread_count(monkeypatch, fmt, int8):
     """expert_mlp (prefill) keeps each expert's outputs and adds them into the tokens' rows in one
@@ -228,7 +221,7 @@ def test_prefill_experts_give_the_same_bits_on_every_call_and_thread_count(monke
         kernels.set_int8_activations(True)
     wg = kernels._kernels().dequantize(gate_up, H) if fmt != "fp32" else gate_up
     wd = kernels._kernels().dequantize(down, I) if fmt != "fp32" else down
-    rounded = _q8 if int8 else (lambda v: v)
+    rounded = q8_0_round if int8 else (lambda v: v)
     reference, exact = torch.zeros(N, H), torch.zeros(N, H)
     for n in range(N):
         for k in range(K):
