@@ -27,41 +27,14 @@ void norm_rotate(const float* x, const float* w, float eps, const float* cos, co
 }  // namespace
 
 // q [B, H*2D] (per head: query then gate), k, v [B, KV*D]; q_norm_w, k_norm_w [D]; cos, sin [B, R];
-// k_cache, v_cache [B, KV, max_len, D] contiguous; pos [B] int64; keep [B, max(pos) + 1] bool or
-// empty (no mask).
-// Returns [B, H*D] = attention output * sigmoid(gate).
-at::Tensor attention_token(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor q_norm_w, at::Tensor k_norm_w,
-                           double eps, at::Tensor cos, at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
-                           at::Tensor pos, at::Tensor keep, double scale) {
-  for (auto* t : {&q, &k, &v, &q_norm_w, &k_norm_w, &cos, &sin, &k_cache, &v_cache}) check(*t, "attention tensors");
-  const int64_t B = q.size(0), KV = k_cache.size(1), L = k_cache.size(2), D = k_cache.size(3), R = cos.size(1);
-  const int64_t H = q.size(1) / (2 * D);
-  check_positions(pos, keep, B, "attention token");
-  TORCH_CHECK(q.size(1) == H * 2 * D && k.size(0) == B && k.size(1) == KV * D && v.sizes() == k.sizes() &&
-                  k_cache.size(0) == B && v_cache.sizes() == k_cache.sizes() && q_norm_w.numel() == D &&
-                  k_norm_w.numel() == D && cos.size(0) == B && sin.sizes() == cos.sizes() && R % 2 == 0 && R <= D,
-              "attention token shapes do not match");
-  auto out = at::empty({B, H * D}, q.options());
-  attention_token_into({B, H, KV, L, D}, R, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
-                       q_norm_w.data_ptr<float>(), k_norm_w.data_ptr<float>(), float(eps), cos.data_ptr<float>(),
-                       sin.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), pos.data_ptr<int64_t>(),
-                       keep.numel() ? keep.data_ptr<bool>() : nullptr, keep.numel() ? keep.size(-1) : 0, scale,
-                       out.data_ptr<float>());
-  return out;
-}
-
+// k_cache, v_cache [B, KV, L, D] contiguous; pos [B]; keep [B, keep_keys = max(pos) + 1] or null (no
+// mask). out [B, H*D] = attention output * sigmoid(gate).
 void attention_token_into(const AttentionShape& shape, int64_t R, const float* qp, const float* kp, const float* vp,
                           const float* qw, const float* kw, float eps, const float* cp, const float* sp, float* kc,
                           float* vc, const int64_t* pp, const bool* keep, int64_t keep_keys, double scale,
                           float* op) {
   const int64_t B = shape.B, H = shape.H, KV = shape.KV, L = shape.L, D = shape.D;
-  int64_t last = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(pp[b] >= 0 && pp[b] < L, "attention token: position ", pp[b], " outside the cache of ", L);
-    last = std::max(last, pp[b]);
-  }
-  TORCH_CHECK(!keep || keep_keys == last + 1, "attention token: the key mask must cover ", last + 1, " keys, not ",
-              keep_keys);
+  const int64_t last = last_position(pp, B, L, keep, keep_keys, "attention token");
   thread_local std::vector<float> qn_;
   thread_local std::vector<int64_t> lengths_;
   qn_.resize(B * H * D), lengths_.resize(B);

@@ -157,8 +157,6 @@ void DecodePlan::add_panels(at::Tensor weight, at::Tensor panels) {
 void DecodePlan::check_caches(const std::vector<at::Tensor>& states, int64_t B, int64_t R, const bool* keep,
                               int64_t keep_keys, const int64_t* pos) const {
   TORCH_CHECK(states.size() == 2 * layers_.size() && final_norm_.defined(), "decode plan and cache do not match");
-  int64_t last = 0;
-  for (int64_t b = 0; b < B; ++b) last = std::max(last, pos[b]);
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& l = layers_[i];
     TORCH_CHECK(!l.mlp.empty(), "decode plan: layer ", i, " has no MLP");
@@ -176,10 +174,7 @@ void DecodePlan::check_caches(const std::vector<at::Tensor>& states, int64_t B, 
     TORCH_CHECK(a.dim() == 4 && a.size(0) == B && a.size(1) == KV && a.size(3) == D && b.sizes() == a.sizes() &&
                     R % 2 == 0 && R <= D,
                 "decode plan: layer ", i, "'s KV cache does not match the layer");
-    for (int64_t r = 0; r < B; ++r)  // as attention_token_into checks them, before any layer has stepped
-      TORCH_CHECK(pos[r] >= 0 && pos[r] < L, "decode plan: position ", pos[r], " outside layer ", i, "'s cache of ", L);
-    TORCH_CHECK(!keep || keep_keys == last + 1, "decode plan: the key mask must cover ", last + 1, " keys, not ",
-                keep_keys);
+    last_position(pos, B, L, keep, keep_keys, "decode plan: layer " + std::to_string(i));  // before any layer steps
   }
 }
 

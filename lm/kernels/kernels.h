@@ -29,9 +29,9 @@ struct GdnShape {
 void gdn_decode_into(const GdnShape& shape, const float* qkv, const float* z, const float* b_in, const float* a_in,
                      float* window, const float* conv_w, const float* A_log, const float* dt_bias, float* state,
                      const float* norm_w, float eps, float* out);
-// decode_attention and attention_token on raw float32 rows (the shape checks done by the caller;
-// attention_token_into checks the positions against the cache and the mask): the decode step's
-// path. The caches [B, KV, L, D] contiguous; attention_token_into's out [B, H * D].
+// decode_attention and the attention layer's token on raw float32 rows (the shape checks done by
+// the caller; attention_token_into checks the positions against the cache and the mask): the decode
+// step's path. The caches [B, KV, L, D] contiguous; attention_token_into's out [B, H * D].
 struct AttentionShape {
   int64_t B, H, KV, L, D;  // rows, query heads, KV heads, keys (cache length), head dim
 };
@@ -59,9 +59,6 @@ std::vector<at::Tensor> chunked_delta_rule(at::Tensor q, at::Tensor k, at::Tenso
                                            at::Tensor state, int64_t chunk);
 at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor keep, double scale,
                             at::Tensor lengths);
-at::Tensor attention_token(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor q_norm_w, at::Tensor k_norm_w,
-                           double eps, at::Tensor cos, at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
-                           at::Tensor pos, at::Tensor keep, double scale);
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps, double offset);
 std::vector<at::Tensor> causal_conv(at::Tensor x, at::Tensor window, at::Tensor weight);
 // greedy sampling: the index of the first largest value of a float32 vector (the first NaN if any)

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cmath>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "formats.h"
@@ -468,6 +469,20 @@ inline void check_positions(const at::Tensor& pos, const at::Tensor& keep, int64
   TORCH_CHECK(!keep.numel() || (keep.scalar_type() == at::kBool && keep.is_contiguous() && keep.dim() == 2 &&
                                 keep.size(0) == B),
               who, ": keep must be a contiguous bool [B, keys] tensor or empty");
+}
+
+// The last of B positions, each checked to lie in a cache of L keys, with the key mask (when given:
+// keep_keys keys a row) checked to cover keys [0, last]. `where` names the cache in the errors (the
+// decode step checks every layer's before any layer steps, attention_token_into its own).
+inline int64_t last_position(const int64_t* pos, int64_t B, int64_t L, const bool* keep, int64_t keep_keys,
+                             const std::string& where) {
+  int64_t last = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < L, where, ": position ", pos[b], " outside the cache of ", L);
+    last = std::max(last, pos[b]);
+  }
+  TORCH_CHECK(!keep || keep_keys == last + 1, where, ": the key mask must cover ", last + 1, " keys, not ", keep_keys);
+  return last;
 }
 
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }

@@ -252,7 +252,8 @@ def test_plans_stepped_in_turns_equal_the_reference(checkpoints, monkeypatch):
 def test_a_bad_cache_fails_the_step_before_any_layer_steps(checkpoints, monkeypatch):
     """The decode plan checks every layer's cache, and the positions against every KV cache, before
     the first layer steps: a step given a last KV cache too short for the position (or of the wrong
-    shape) fails naming that layer, and no cache has moved, so the generation can go on."""
+    shape), or a key mask that does not cover the keys, fails naming that layer, and no cache has
+    moved, so the generation can go on."""
     from lm.cache import KVSlot
     from lm.decode import _states, _step_plans
 
@@ -274,5 +275,8 @@ def test_a_bad_cache_fails_the_step_before_any_layer_steps(checkpoints, monkeypa
         with pytest.raises(RuntimeError, match=f"layer {last}"):
             plan.step_tokens([7], [6], broken, torch.empty(0, dtype=torch.bool), [6])
         assert all(torch.equal(a, b) for a, b in zip(states, before))
+    with pytest.raises(RuntimeError, match=f"layer {last}: the key mask must cover 7 keys, not 5"):
+        plan.step_tokens([7], [6], states, torch.ones(1, 5, dtype=torch.bool), [6])
+    assert all(torch.equal(a, b) for a, b in zip(states, before))
     logits = plan.step_tokens([7], [6], states, torch.empty(0, dtype=torch.bool), [6])
     assert torch.isfinite(logits).all()
