@@ -34,7 +34,7 @@ void attention_token_into(const AttentionShape& shape, int64_t R, const float* q
                           float* vc, const int64_t* pp, const bool* keep, int64_t keep_keys, double scale,
                           float* op) {
   const int64_t B = shape.B, H = shape.H, KV = shape.KV, L = shape.L, D = shape.D;
-  const int64_t last = last_position(pp, B, L, keep, keep_keys, "attention token");
+  const int64_t last = last_position(pp, B, L, keep, keep_keys, {"attention token"});
   thread_local std::vector<float> qn_;
   thread_local std::vector<int64_t> lengths_;
   qn_.resize(B * H * D), lengths_.resize(B);

@@ -174,7 +174,7 @@ void DecodePlan::check_caches(const std::vector<at::Tensor>& states, int64_t B, 
     TORCH_CHECK(a.dim() == 4 && a.size(0) == B && a.size(1) == KV && a.size(3) == D && b.sizes() == a.sizes() &&
                     R % 2 == 0 && R <= D,
                 "decode plan: layer ", i, "'s KV cache does not match the layer");
-    last_position(pos, B, L, keep, keep_keys, "decode plan: layer " + std::to_string(i));  // before any layer steps
+    last_position(pos, B, L, keep, keep_keys, {"decode plan", int64_t(i)});  // before any layer steps
   }
 }
 

@@ -15,7 +15,7 @@
 #include <atomic>
 #include <cmath>
 #include <memory>
-#include <string>
+#include <ostream>
 #include <vector>
 
 #include "formats.h"
@@ -471,17 +471,29 @@ inline void check_positions(const at::Tensor& pos, const at::Tensor& keep, int64
               who, ": keep must be a contiguous bool [B, keys] tensor or empty");
 }
 
+// Which cache a position check is about, for its errors: `who`, and the layer when there is one
+// (written only when a check fails: the decode step makes no string per step).
+struct CacheName {
+  const char* who;
+  int64_t layer = -1;
+};
+inline std::ostream& operator<<(std::ostream& os, const CacheName& c) {
+  os << c.who;
+  if (c.layer >= 0) os << ": layer " << c.layer;
+  return os;
+}
+
 // The last of B positions, each checked to lie in a cache of L keys, with the key mask (when given:
-// keep_keys keys a row) checked to cover keys [0, last]. `where` names the cache in the errors (the
-// decode step checks every layer's before any layer steps, attention_token_into its own).
+// keep_keys keys a row) checked to cover keys [0, last]. The decode step checks every layer's cache
+// before any layer steps; attention_token_into checks its own.
 inline int64_t last_position(const int64_t* pos, int64_t B, int64_t L, const bool* keep, int64_t keep_keys,
-                             const std::string& where) {
+                             const CacheName& name) {
   int64_t last = 0;
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(pos[b] >= 0 && pos[b] < L, where, ": position ", pos[b], " outside the cache of ", L);
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < L, name, ": position ", pos[b], " outside the cache of ", L);
     last = std::max(last, pos[b]);
   }
-  TORCH_CHECK(!keep || keep_keys == last + 1, where, ": the key mask must cover ", last + 1, " keys, not ", keep_keys);
+  TORCH_CHECK(!keep || keep_keys == last + 1, name, ": the key mask must cover ", last + 1, " keys, not ", keep_keys);
   return last;
 }
 
