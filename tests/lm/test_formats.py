@@ -20,6 +20,14 @@ def kernels_on(monkeypatch):
     kernels.set_int8_activations(True)
 
 
+@pytest.fixture
+def int8_on(kernels_on):
+    """The kernels with int8 activations on (skipped where the build lacks the int8 dot products)."""
+    if not kernels._kernels().INT8_DOT:
+        pytest.skip("the int8 dot products are built for AVX2 only")
+    kernels.set_int8_activations(True)
+
+
 def _weights(n=48, k=256, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
@@ -98,12 +106,9 @@ def test_bf16_products_of_any_width(kernels_on, k, rows):
 
 @pytest.mark.parametrize("fmt", [INT8, INT4])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_products_with_int8_activations(kernels_on, fmt, rows):
+def test_products_with_int8_activations(int8_on, fmt, rows):
     """Activations rounded to Q8_0 blocks (float32 scales): the kernel equals the float64 product
     with those activations; against float32 x, the error is at most sum_k |w_k| dx_k / 2."""
-    if not kernels._kernels().INT8_DOT:
-        pytest.skip("the int8 dot products are built for AVX2 only")
-    kernels.set_int8_activations(True)
     w, g = _weights(seed=1), torch.Generator().manual_seed(rows)
     q, wf = fmt.quantize(w), fmt.dequantize(fmt.quantize(w), 256).double()
     x = torch.randn(rows, 256, generator=g)
@@ -118,13 +123,10 @@ def test_products_with_int8_activations(kernels_on, fmt, rows):
 
 
 @pytest.mark.parametrize("fmt", [INT8, INT4])
-def test_int8_dot_products_of_one_row_equal_those_of_more_rows_bit_for_bit(kernels_on, fmt):
+def test_int8_dot_products_of_one_row_equal_those_of_more_rows_bit_for_bit(int8_on, fmt):
     """One row takes its own group kernel (on Zen 4's AVX-512 build, 512-bit registers: int8_dot.h,
     dot_group_q4_0_zmm); its integer dot products and float scaling are those of the kernel of 2-4
     rows, so each row's y is the same bit for bit."""
-    if not kernels._kernels().INT8_DOT:
-        pytest.skip("the int8 dot products are built for AVX2 only")
-    kernels.set_int8_activations(True)
     q = fmt.quantize(_weights(seed=2))
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3))
     both = kernels.linear(x, q)
@@ -175,12 +177,9 @@ def test_grouped_and_moe_decode_kernels_with_compact_experts(kernels_on, fmt):
             assert 1e-6 < rel_err(block(x), dense(x)) < 2e-2  # ~1.0% for both formats here
 
 
-def _int8_moe(fmt, seed, E, H, I, Is):
-    """Random MoE weights in `fmt` with int8 activations on (skips where the build lacks the int8
-    dots): (w, a maker of more random tensors; router; gate_up; down; the shared expert's three)."""
-    if not kernels._kernels().INT8_DOT:
-        pytest.skip("the int8 dot products are built for AVX2 only")
-    kernels.set_int8_activations(True)
+def _random_moe(fmt, seed, E, H, I, Is):
+    """Random MoE weights in `fmt`: (w, a maker of more random tensors; router; gate_up; down; the
+    shared expert's three)."""
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape):
@@ -191,14 +190,14 @@ def _int8_moe(fmt, seed, E, H, I, Is):
 
 
 @pytest.mark.parametrize("fmt", [INT8, INT4])
-def test_moe_decode_rows_together_equal_each_row_alone_with_int8_activations(kernels_on, fmt):
+def test_moe_decode_rows_together_equal_each_row_alone_with_int8_activations(int8_on, fmt):
     """moe_decode quantizes x to Q8_0 once: an expert one token chose reads that token's row in place,
     an expert several tokens chose reads copies of their rows side by side. Each row of a batch must
     equal the same row alone (the same integer dots; only the order of the float sums over the
     experts differs), for both kinds of expert, and for an expert of 5 rows (its fifth row takes
     the one-row kernel)."""
     E, K, H, I, Is, N = 6, 2, 96, 32, 64, 8
-    w, router, gate_up, down, shared = _int8_moe(fmt, 10, E, H, I, Is)
+    w, router, gate_up, down, shared = _random_moe(fmt, 10, E, H, I, Is)
     shared_gate, x = w(H), w(N, H) / 0.2
     counts = torch.bincount((x @ router.T).topk(K, dim=-1).indices.flatten(), minlength=E)
     assert (counts == 1).any() and (counts >= 5).any()  # both kinds of expert, one of 5 rows
@@ -212,13 +211,10 @@ def test_moe_decode_rows_together_equal_each_row_alone_with_int8_activations(ker
 
 
 @pytest.mark.parametrize("fmt", [INT8, INT4])
-def test_prefill_products_with_int8_activations(kernels_on, fmt):
+def test_prefill_products_with_int8_activations(int8_on, fmt):
     """More rows than a decode batch (prefill) take int8_linear: x rounded to Q8_0 blocks, equal to
     the float64 product with those activations, and each row the same bits as that row alone in a
     decode product (the same integer dots and scaling), so prefill and decode agree."""
-    if not kernels._kernels().INT8_DOT:
-        pytest.skip("the int8 dot products are built for AVX2 only")
-    kernels.set_int8_activations(True)
     w, g = _weights(n=56, seed=4), torch.Generator().manual_seed(5)
     q, wf = fmt.quantize(w), fmt.dequantize(fmt.quantize(w), 256).double()
     rows = 3 * kernels.MAX_ROWS + 5
@@ -234,12 +230,12 @@ def test_prefill_products_with_int8_activations(kernels_on, fmt):
 
 
 @pytest.mark.parametrize("fmt", [INT8, INT4])
-def test_prefill_experts_equal_decode_experts_with_int8_activations(kernels_on, fmt):
+def test_prefill_experts_equal_decode_experts_with_int8_activations(int8_on, fmt):
     """expert_mlp (prefill) and moe_decode round x and each expert's activations to Q8_0 the same
     way and take the same integer dots: each token's experts agree up to the order of the float sums
     (the shared expert is zeroed here: prefill runs it through the layers' own products)."""
     E, K, H, I, Is, N = 8, 2, 96, 64, 32, 24
-    w, router, gate_up, down, shared = _int8_moe(fmt, 11, E, H, I, Is)
+    w, router, gate_up, down, shared = _random_moe(fmt, 11, E, H, I, Is)
     shared[2] = fmt.quantize(torch.zeros(H, Is))
     x = w(N, H) / 0.2
     probs = (x @ router.T).softmax(-1)
