@@ -37,6 +37,22 @@ class ReadBandwidth:
         return self.x.numel() * 4 / best_time(lambda: self.x.sum(), repeats=repeats)
 
 
+def last_level_cache_bytes() -> int:
+    """The size of the largest CPU cache Linux reports for CPU 0 (0 where unknown)."""
+    import glob
+
+    sizes = [0]
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        if text.rstrip("KMG").isdigit():
+            sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes)
+
+
 def matmul_flops(n: int = 2048) -> float:
     """float32 FLOP/s of a large square matmul."""
     a, b = torch.randn(n, n), torch.randn(n, n)
