@@ -7,7 +7,7 @@ Builds the kernels of `--base` (default HEAD: the committed version, against the
 in a temporary git worktree, and the current tree's, loads both modules into this process and runs
 the same work through each in turn: whole greedy decode steps of a checkpoint (default: a random one
 with bench/lm.py's proportions, as bench.formats makes), or with `--products` the decode products
-of bench.products (with `--batch` over 8, the prefill products of int8 / int4 weights, `int8_linear`,
+of bench.products (as many bytes as it streams; with `--batch` over 8, the prefill products of int8 / int4 weights, `int8_linear`,
 in GFLOP/s). Each round runs A then B or B then A (alternating), and the medians over rounds
 are compared. This machine's memory moves between states (read bandwidth ~30 and ~60 GB/s, within
 seconds) that shift a single run by up to 40%, more than most changes a kernel edit makes; runs
@@ -106,14 +106,14 @@ def main() -> None:
     probe = ReadBandwidth(1.0)
     formats = args.formats.split(",")
     if args.products:
-        from bench.products import SHAPES, weights_in
+        from bench.products import SHAPES, streamed_shapes, weights_in
         from lm.formats import FORMATS
 
         prefill = args.batch > kernels.MAX_ROWS  # int8_linear, rated in FLOP/s (compute-bound)
         if prefill and set(formats) - {"int8", "int4"}:
             raise SystemExit(f"--products with more than {kernels.MAX_ROWS} rows: int8 / int4 only")
-        shapes = SHAPES[:8] if prefill else SHAPES
         for fmt in formats:
+            shapes = SHAPES[:8] if prefill else streamed_shapes(FORMATS[fmt])  # decode: far more than the L3
             weights = [(w, torch.randn(args.batch, k)) for w, (_, k) in zip(weights_in(FORMATS[fmt], shapes), shapes)]
             total = sum(2 * args.batch * k * n if prefill else w.numel() * w.element_size()
                         for (w, _), (n, k) in zip(weights, shapes))
