@@ -59,9 +59,13 @@ inline void delta_head(float* s, int64_t Dk, const float* q, const float* k, con
   }
 }
 
+// a . b in vectors (a scalar loop is one chain of dependent adds: GCC does not reorder float sums)
 inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  vec acc{};
+  int64_t i = 0;
+  for (; i + V <= n; i += V) acc += load(a + i) * load(b + i);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
 
@@ -136,11 +140,52 @@ at::Tensor gdn_decode(at::Tensor qkv, at::Tensor z, at::Tensor b_in, at::Tensor 
 
 namespace {
 
+// Taps 0-3 of V consecutive channels of a 4-tap conv weight (p: their V x 4 floats, channel-major)
+// -> t[j], tap j of each channel: two rounds of two-register shuffles (a 4 x V transpose).
+inline void four_taps(const float* p, vec* t) {
+  const vec r0 = load(p), r1 = load(p + V), r2 = load(p + 2 * V), r3 = load(p + 3 * V);
+#if defined(__AVX512F__)  // V = 16: r0 holds channels 0-3, r1 4-7, ...; a: taps 0 and 1 of channels 0-7
+  const vec a = __builtin_shufflevector(r0, r1, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+  const vec b = __builtin_shufflevector(r0, r1, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  const vec a2 = __builtin_shufflevector(r2, r3, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+  const vec b2 = __builtin_shufflevector(r2, r3, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  t[0] = __builtin_shufflevector(a, a2, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  t[1] = __builtin_shufflevector(a, a2, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  t[2] = __builtin_shufflevector(b, b2, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  t[3] = __builtin_shufflevector(b, b2, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else  // V = 8: r0 holds channels 0-1, r1 2-3, ...; a: taps 0 and 1 of channels 0-3
+  const vec a = __builtin_shufflevector(r0, r1, 0, 1, 4, 5, 8, 9, 12, 13);
+  const vec b = __builtin_shufflevector(r0, r1, 2, 3, 6, 7, 10, 11, 14, 15);
+  const vec a2 = __builtin_shufflevector(r2, r3, 0, 1, 4, 5, 8, 9, 12, 13);
+  const vec b2 = __builtin_shufflevector(r2, r3, 2, 3, 6, 7, 10, 11, 14, 15);
+  t[0] = __builtin_shufflevector(a, a2, 0, 2, 4, 6, 8, 10, 12, 14);
+  t[1] = __builtin_shufflevector(a, a2, 1, 3, 5, 7, 9, 11, 13, 15);
+  t[2] = __builtin_shufflevector(b, b2, 0, 2, 4, 6, 8, 10, 12, 14);
+  t[3] = __builtin_shufflevector(b, b2, 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+}
+
 // The causal conv of channels [c0, c1) of one row and their window shift, then SiLU: x [C] the new
-// token's projections, window [K-1, C] (in place), conv_w [C, K] -> y [c1 - c0]
+// token's projections, window [K-1, C] (in place), conv_w [C, K] -> y [c1 - c0]. The published
+// kernel size (K = 4) runs V channels at a time, each channel's taps summed in the same order as
+// the scalar loop, which takes other sizes and the tail (a layer's conv: 11.5 of 41 us scalar,
+// one thread, the bench config).
 inline void conv_channels(const float* x, float* window, const float* conv_w, int64_t C, int64_t Km1, int64_t c0,
                           int64_t c1, float* y) {
-  for (int64_t c = c0; c < c1; ++c) {
+  int64_t c = c0;
+  if (Km1 == 3)
+    for (; c + V <= c1; c += V) {
+      vec t[4];
+      four_taps(conv_w + c * 4, t);
+      const vec w0 = load(window + c), w1 = load(window + C + c), w2 = load(window + 2 * C + c), xc = load(x + c);
+      vec acc = w0 * t[0];
+      acc += w1 * t[1];
+      acc += w2 * t[2];
+      acc += xc * t[3];
+      store(y + (c - c0), acc);
+      store(window + c, w1), store(window + C + c, w2), store(window + 2 * C + c, xc);
+    }
+  for (; c < c1; ++c) {
     const float* wc = conv_w + c * (Km1 + 1);
     float acc = Km1 ? window[c] * wc[0] : x[c] * wc[0];
     for (int64_t j = 1; j < Km1; ++j) acc += window[j * C + c] * wc[j];

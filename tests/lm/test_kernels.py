@@ -238,16 +238,20 @@ def test_prefill_experts_give_the_same_bits_on_every_call_and_thread_count(monke
     assert 5e-3 < rel_err(first, exact) < 3e-2
 
 
-@pytest.mark.parametrize("rows,value_dim,scale", [(1, 32, 1), (4, 32, 1), (2, 128, 1), (2, 48, 1), (2, 32, 60)])
-def test_fused_deltanet_decode_equals_reference(monkeypatch, rows, value_dim, scale):
+@pytest.mark.parametrize("rows,value_dim,scale,key_dim,conv_size", [
+    (1, 32, 1, 16, 4), (4, 32, 1, 16, 4), (2, 128, 1, 16, 4), (2, 48, 1, 16, 4), (2, 32, 60, 16, 4),
+    (2, 32, 1, 20, 4), (2, 32, 1, 16, 3)])
+def test_fused_deltanet_decode_equals_reference(monkeypatch, rows, value_dim, scale, key_dim, conv_size):
     """48: the column-strip path; scale 60: inputs that drive the SiLUs (the kernels' own vectorised
-    exp, vec.h) far into both tails, where its clamping matters."""
+    exp, vec.h) far into both tails, where its clamping matters; key heads of 20: the conv's vector
+    loop and its scalar tail; a conv of 3 taps: the scalar loop alone (the vector one takes 4)."""
     from lm.cache import LinearSlot
     from lm.config import TextConfig
     from lm.gated_deltanet import GatedDeltaNet
     from tests import tiny
 
-    config = TextConfig.from_hf(tiny.text_config(True, linear_value_head_dim=value_dim))
+    config = TextConfig.from_hf(tiny.text_config(True, linear_value_head_dim=value_dim, linear_key_head_dim=key_dim,
+                                                 linear_conv_kernel_dim=conv_size))
     layer = _perturbed(GatedDeltaNet(config), rows)
     g = torch.Generator().manual_seed(2)
     conv_dim = 2 * layer.key_dim + layer.value_dim
