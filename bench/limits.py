@@ -53,6 +53,19 @@ def last_level_cache_bytes() -> int:
     return max(sizes)
 
 
+class CacheEvictor:
+    """A call reads a buffer of 4x the last-level cache (at least 64 MiB) so that what runs next
+    reads its data from memory, as each part of a decode step does: ~300 MB and more of other
+    weights go through the caches between one step's read of a tensor and the next's. (Zen's L3 does
+    not evict in LRU order: a part of a 32 MiB L3's lines can outlive one pass over 2-3x its size.)"""
+
+    def __init__(self):
+        self.x = torch.ones(max(64 << 20, 4 * last_level_cache_bytes()) // 4)
+
+    def __call__(self) -> None:
+        self.x.sum()
+
+
 def matmul_flops(n: int = 2048) -> float:
     """float32 FLOP/s of a large square matmul."""
     a, b = torch.randn(n, n), torch.randn(n, n)

@@ -8,12 +8,15 @@ per round, with the read bandwidth probed before it:
   around them, sampling and cache bookkeeping), the whole C++ step alone (`DecodePlan.step`:
   embeddings, layers, final norm, LM head);
 - the layers alone (`DecodePlan.run`) and the LM head product alone;
-- each part of the layers over all layers in turn (their weights from memory, as in a step): the
-  DeltaNet input projections (one call), its token step (conv, gates, delta rule, norm; its state
-  read and written), out_proj; the attention projections; the MoE blocks (`moe_decode`) or dense
-  MLPs; the RMS norms; with the bytes each reads (and writes, for the states) per second.
-Medians of `--calls` calls each. The parts do not add up to the step exactly: a step's parts run
-after one another, warming each other's caches, and the memory state moves between rounds.
+- each part of the layers over all layers in turn: the DeltaNet input projections (one call), its
+  token step (conv, gates, delta rule, norm; its state read and written), out_proj; the attention
+  projections; the MoE blocks (`moe_decode`) or dense MLPs; the RMS norms; with the bytes each
+  reads (and writes, for the states) per second.
+Medians of `--calls` calls each, each call after a read of 4x the last-level cache (untimed), so
+that its weights and states come from memory, as in a step (before, the parts of a few tens of MB,
+such as 12 layers' out_proj, read partly from the L3, faster than the probe). The parts do not add
+up to the step exactly: a step's parts run after one another, warming each other's caches, and
+the memory state moves between rounds.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 import torch
 
 import mm
-from bench.limits import ReadBandwidth
+from bench.limits import CacheEvictor, ReadBandwidth
 from bench.lm import median
 from lm import SamplingParams, decode, engine, kernels, stream_generate
 from lm.moe import SparseMoeBlock
@@ -35,8 +38,11 @@ def nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def median_time(fn, calls: int) -> float:
+def median_time(fn, calls: int, before=None) -> float:
+    """Median seconds of `calls` calls of `fn`, each after `before()` (untimed) when given."""
     def once() -> float:
+        if before is not None:
+            before()
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
@@ -171,21 +177,21 @@ def main() -> None:
     rotary = torch.ones(1, angles), torch.zeros(1, angles)
     head = lm.lm_head.weight
     parts = layer_parts(k, lm, cache, model.config.text)
-    probe = ReadBandwidth(1.0)
+    probe, evict = ReadBandwidth(1.0), CacheEvictor()
     print(f"{args.checkpoint.name}, {args.weights}, batch 1, {torch.get_num_threads()} threads; "
           f"LM head {nbytes(head) / 1e6:.0f} MB")
     for _ in range(args.rounds):
         bandwidth = probe(2)
         per_token, python = generation(lm, ids, 25)
-        step = median_time(lambda: plan.step(step_ids, positions, states, keep, pos), args.calls)
-        layers = median_time(lambda: plan.run(hidden, states, *rotary, keep, pos), args.calls)
-        lm_head = median_time(lambda: k.multi_linear(hidden, [head]), args.calls)
+        step = median_time(lambda: plan.step(step_ids, positions, states, keep, pos), args.calls, evict)
+        layers = median_time(lambda: plan.run(hidden, states, *rotary, keep, pos), args.calls, evict)
+        lm_head = median_time(lambda: k.multi_linear(hidden, [head]), args.calls, evict)
         print(f"probe {bandwidth / 1e9:.0f} GB/s: generation {per_token * 1e3:.2f} ms a token (Python around its "
               f"C++ steps {python * 1e3:.2f} ms), step "
               f"{step * 1e3:.2f} ms, layers {layers * 1e3:.2f} ms, LM head {lm_head * 1e3:.2f} ms "
               f"({nbytes(head) / lm_head / 1e9:.0f} GB/s)")
         for name, (fn, moved) in parts.items():
-            t = median_time(fn, args.calls)
+            t = median_time(fn, args.calls, evict)
             rate = f", {moved / t / 1e9:.0f} GB/s" if moved else ""
             print(f"  {name:28s} {t * 1e3:6.2f} ms{rate}")
 
