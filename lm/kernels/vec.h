@@ -284,7 +284,7 @@ inline void block_bf16_groups_rows(const float* x, int64_t ldx, const Rows& Wg, 
         for (int s = 0; s < RS; ++s) acc[r][s] = wvec{};
       for (int64_t b = 0; b < K / QK; ++b) {
         const uint8_t* o = g + b * TraitsBF16G8::block_bytes + h * QK * 2;
-        prefetch_ahead<R>(o, PREFETCH_BYTES);
+        for (int s = 0; s < RS; ++s) prefetch_ahead<R>(o + s * QK * 2, PREFETCH_BYTES);  // the pass's lines
         for (int j = 0; j < NB; ++j) {
           wvec xv[R];
           for (int r = 0; r < R; ++r) xv[r] = wload(x + r * ldx + b * QK + j * W);
