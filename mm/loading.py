@@ -102,7 +102,7 @@ def _formats(model: VLModel, reader: CheckpointReader, weights: str, device, dty
             raise ValueError(f"weights={weights!r} is for CPU with float32 compute; on {device} in {dtype} the "
                              "weights are stored in the model dtype (use weights='auto')")
         return {}
-    return policy.plan(shapes, weights, _checkpoint_dtype(reader), model.lm.config.tie_word_embeddings)
+    return policy.plan(shapes, weights, _checkpoint_dtype(reader))
 
 
 def _compact(device, dtype: torch.dtype) -> bool:

@@ -29,7 +29,7 @@ from torch import nn
 
 from lm.weights import SAFETENSORS_DTYPES
 
-FORMAT_VERSION = 5  # bump when a format's layout or the conversion changes (2: int4 rows in groups of 8, 3: int8's too, 4: the router in bf16, 5: bf16 rows in groups of 8)
+FORMAT_VERSION = 4  # bump when a format's layout or the conversion changes (2: int4 rows in groups of 8, 3: int8's too, 4: the router in bf16)
 FILE, META = "lm.safetensors", "meta.json"
 
 

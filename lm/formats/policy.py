@@ -35,7 +35,7 @@ import sys
 
 import torch
 
-from . import BF16, BF16_G8, FORMATS, FP32, Format
+from . import BF16, FORMATS, FP32, Format
 
 PARTS = ("experts", "shared_expert", "attention", "deltanet", "mlp", "lm_head", "embed", "vision", "router")
 _FLOAT_ONLY = ("embed", "vision", "router")  # parts that take no block format
@@ -88,24 +88,21 @@ def parse(spec: str) -> dict[str, str]:
 
 def lossless_auto(checkpoint_dtype: torch.dtype) -> Format:
     """What "auto" stores: bf16 for a bf16 (or fp8) checkpoint, else fp32."""
-    return BF16_G8 if checkpoint_dtype in (torch.bfloat16, torch.float8_e4m3fn) else FP32
+    return BF16 if checkpoint_dtype in (torch.bfloat16, torch.float8_e4m3fn) else FP32
 
 
 def vision_dtype(spec: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
     """The storage dtype of the vision tower's matrices under `spec` (see the `vision` part)."""
     fmt = parse(spec)["vision"]
     fmt = lossless_auto(checkpoint_dtype) if fmt == "auto" else FORMATS[fmt]
-    return torch.bfloat16 if fmt in (BF16, BF16_G8) else torch.float32
+    return torch.bfloat16 if fmt is BF16 else torch.float32
 
 
-def plan(shapes: dict[str, tuple[int, ...]], spec: str, checkpoint_dtype: torch.dtype,
-         tied: bool = False) -> dict[str, Format]:
+def plan(shapes: dict[str, tuple[int, ...]], spec: str, checkpoint_dtype: torch.dtype) -> dict[str, Format]:
     """The storage format of every large LM parameter (name -> Format; the rest stay in the compute
     dtype). `shapes` are the parameters' logical shapes; "auto" means bf16 for a bf16 (or fp8)
     checkpoint, else fp32. A block format that does not fit a weight (K % 32, or its rows % 8)
-    leaves it in bf16, said once on stderr with the names. bf16 is stored with its rows in groups
-    of 8 (BF16_G8) where they fit, in rows (BF16) for the embedding table, the router, a head
-    `tied` to the table, and the matrices that do not fit, silently (both are exact)."""
+    leaves it in bf16, said once on stderr with the names."""
     parts = parse(spec)
     auto = lossless_auto(checkpoint_dtype)
     formats, unfit = {}, []
@@ -115,9 +112,6 @@ def plan(shapes: dict[str, tuple[int, ...]], spec: str, checkpoint_dtype: torch.
             continue
         fmt = auto if parts[part] == "auto" else FORMATS[parts[part]]
         rows = shape[-2] // 2 if name.endswith("gate_up_proj") else shape[-2]  # filled as gate, then up
-        rows_kept = part in _FLOAT_ONLY or (tied and part == "lm_head") or not fmt.fits(shape[-1], rows)
-        if fmt is BF16_G8 and rows_kept:
-            fmt = BF16
         if not fmt.fits(shape[-1], rows):
             unfit.append(name)
             fmt = BF16
