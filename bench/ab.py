@@ -8,8 +8,8 @@ in a temporary git worktree, and the current tree's, loads both modules into thi
 the same work through each in turn: whole greedy decode steps of a checkpoint (default: a random one
 with bench/lm.py's proportions, as bench.formats makes), or with `--products` the decode products
 of bench.products (as many bytes as it streams; with `--batch` over 8, the prefill products of
-int8 / int4 weights, `int8_linear`, in GFLOP/s). Each round runs A then B or B then A (alternating), and the medians over rounds
-are compared. This machine's memory moves between states (read bandwidth ~30 and ~60 GB/s, within
+int8 / int4 weights, `int8_linear`, in GFLOP/s). Each round runs A then B or B then A
+(alternating), and the medians over rounds are compared. This machine's memory moves between states (read bandwidth ~30 and ~60 GB/s, within
 seconds) that shift a single run by up to 40%, more than most changes a kernel edit makes; runs
 taken in turns see the same states, so their ratio keeps what separate runs lose in the noise.
 `--base-isa` / `--isa` build A / B for that instruction set (QWEN35_CPU_ISA, lm/kernels/build.py):

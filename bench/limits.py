@@ -39,12 +39,12 @@ class ReadBandwidth:
 
 def last_level_cache_bytes() -> int:
     """The size of the largest CPU cache Linux reports for CPU 0 (0 where unknown)."""
-    import glob
+    from pathlib import Path
 
     sizes = [0]
-    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         try:
-            text = open(path).read().strip()
+            text = path.read_text().strip()
         except OSError:
             continue
         unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)

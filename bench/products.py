@@ -6,9 +6,8 @@
 Times one batch's products through a list of decode-shaped weights (12 x [4096 x 1024], [1024 x
 4096], [2048 x 1024], [1024 x 2048]: 0.15 G weights, repeated with new values until the format's
 bytes reach 512 MiB and 4x the last-level cache; in huge pages as a loaded model's are), each as one
-call of the kernel a decode step uses, and prints per format
-the bytes read per second, their share of the read bandwidth probed right after, and the weights
-per second. A format whose kernel stays well under the probe at one row is bound by the CPU's
+call of the kernel a decode step uses, and prints per format the bytes read per second, their
+share of the read bandwidth probed right after, and the weights per second. A format whose kernel stays well under the probe at one row is bound by the CPU's
 arithmetic, not by memory: that rate is the ceiling of a decode step in that format (the
 int8/int4 products of 2 AVX2 cores reach ~35-41 G weights/s, ~60-85% of a ~35 GB/s probe and less
 of a faster one), whatever the rest of the step costs. `--in-cache` runs one [4096 x 1024] weight
