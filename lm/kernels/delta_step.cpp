@@ -59,13 +59,11 @@ inline void delta_head(float* s, int64_t Dk, const float* q, const float* k, con
   }
 }
 
-// a . b in vectors (a scalar loop is one chain of dependent adds: GCC does not reorder float sums)
+// a . b through the one-row product kernel (vec.h, dot_row): a scalar loop is one chain of
+// dependent adds, which GCC does not reorder
 inline float dot(const float* a, const float* b, int64_t n) {
-  vec acc{};
-  int64_t i = 0;
-  for (; i + V <= n; i += V) acc += load(a + i) * load(b + i);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
+  float s;
+  dot_row<1>(a, 0, b, n, &s, 1);
   return s;
 }
 
