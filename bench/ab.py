@@ -107,14 +107,14 @@ def main() -> None:
     formats = args.formats.split(",")
     if args.products:
         from bench.products import SHAPES, streamed_shapes, weights_in
-        from lm.formats import FORMATS
+        from lm.formats import policy
 
         prefill = args.batch > kernels.MAX_ROWS  # int8_linear, rated in FLOP/s (compute-bound)
         if prefill and set(formats) - {"int8", "int4"}:
             raise SystemExit(f"--products with more than {kernels.MAX_ROWS} rows: int8 / int4 only")
         for fmt in formats:
-            shapes = SHAPES[:8] if prefill else streamed_shapes(FORMATS[fmt])  # decode: far more than the L3
-            weights = [(w, torch.randn(args.batch, k)) for w, (_, k) in zip(weights_in(FORMATS[fmt], shapes), shapes)]
+            shapes = SHAPES[:8] if prefill else streamed_shapes(policy.storage(fmt))  # decode: far more than the L3
+            weights = [(w, torch.randn(args.batch, k)) for w, (_, k) in zip(weights_in(policy.storage(fmt), shapes), shapes)]
             total = sum(2 * args.batch * k * n if prefill else w.numel() * w.element_size()
                         for (w, _), (n, k) in zip(weights, shapes))
 

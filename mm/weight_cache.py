@@ -4,7 +4,8 @@ Quantizing a 35B checkpoint to int4 reads and converts ~70 GB of bf16 tensors; t
 `load_model` keeps that result in `$QWEN35_CACHE/weights/<key>/lm.safetensors` (default
 `~/.cache/qwen35-vl`), one safetensors file of our parameter names in their storage dtypes, so the
 next start reads the converted tensors instead of converting again. The key hashes the checkpoint's
-weight files (names, sizes, modification times), its config.json, the weights spec and
+weight files (names, sizes, modification times), its config.json, the weights spec, the layout of
+its bf16 parts (rows, or rows in groups of 8 on AVX-512 builds: lm/formats/policy.bf16_groups) and
 FORMAT_VERSION, so a changed checkpoint or spec gets a new entry. A checkpoint keeps one entry per
 spec (switching between int8 and int4 converts each once): when an entry is written, the same
 checkpoint's entries of that spec with another key (stale: the checkpoint or FORMAT_VERSION
@@ -29,7 +30,7 @@ from torch import nn
 
 from lm.weights import SAFETENSORS_DTYPES
 
-FORMAT_VERSION = 4  # bump when a format's layout or the conversion changes (2: int4 rows in groups of 8, 3: int8's too, 4: the router in bf16)
+FORMAT_VERSION = 5  # bump when a format's layout or the conversion changes (2: int4 rows in groups of 8, 3: int8's too, 4: the router in bf16, 5: bf16 rows in groups of 8)
 FILE, META = "lm.safetensors", "meta.json"
 
 
@@ -40,11 +41,12 @@ def cache_root() -> Path:
 class WeightCache:
     """The cache entry of one (checkpoint, weights spec)."""
 
-    def __init__(self, checkpoint: Path, weights: str):
+    def __init__(self, checkpoint: Path, weights: str, bf16_groups: bool = False):
         self.checkpoint = checkpoint.resolve()
         files = sorted(p for p in self.checkpoint.iterdir() if p.name.endswith((".safetensors", ".json")))
         described = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
-        text = "\n".join([str(self.checkpoint), weights, str(FORMAT_VERSION), *described])
+        layout = ["bf16 rows in groups of 8"] if bf16_groups else []  # the layout of bf16 parts (policy.bf16_groups)
+        text = "\n".join([str(self.checkpoint), weights, str(FORMAT_VERSION), *layout, *described])
         self.key = hashlib.sha256(text.encode()).hexdigest()[:16]
         self.origin = hashlib.sha256(str(self.checkpoint).encode()).hexdigest()[:8]  # same checkpoint, any key
         self.dir = cache_root() / f"{self.origin}-{self.key}"

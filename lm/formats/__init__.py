@@ -6,12 +6,18 @@ the same tensors, in registers):
 
     name   storage                              bits per weight   to float32
     fp32   float32 [..., N, K]                  32                as is
-    bf16   bfloat16 [..., N, K]                 16                exact
+    bf16   uint16 [..., N, K], rows in groups   16                exact
+           bfloat16 [..., N, K] (BF16, rows)    16                exact
     int8   uint8 [..., N, K/32*34], GGUF Q8_0    8.5              w = d q, fp16 d per 32 weights
     int4   uint8 [..., N, K/32*18], GGUF Q4_0    4.5              w = d (q - 8)
 
 int8 and int4 keep GGUF's blocks with the rows regrouped by 8 (blocks.py), so their weights need a
-multiple of 8 rows; the policy (policy.py) keeps any other weight in bf16 and says so.
+multiple of 8 rows; the policy (policy.py) keeps any other weight in bf16 and says so. bf16 matrices
+are stored the same way, 8 rows' blocks of 32 weights interleaved (`group_rows`), as uint16 so that
+the kernels can tell them from bf16 rows: a one-row product then reads one stream and loads x once
+for 8 rows (lm/kernels/vec.h, block_bf16_groups). The embedding table (its rows are gathered), a
+tied LM head (the same table), the router, the vision tower and matrices whose rows are no multiple
+of 8 (or K of 32) keep bf16 rows (BF16).
 
 The format of a tensor follows from its dtype and, for uint8, from its row size relative to K, so a
 layer holds its weight as before and never names a format: `to_float(w, k)` gives the float32 matrix
@@ -39,6 +45,7 @@ class Format:
     quantize: Callable[[torch.Tensor], torch.Tensor]  # float [..., K] -> storage [..., row]
     dequantize: Callable[[torch.Tensor, int], torch.Tensor]  # storage [..., row], K -> float32 [..., K]
     rows: int = 1  # rows stored together: a weight's rows must be a multiple (int8, int4: 8, blocks.py)
+    k_multiple: int = 1  # K must be a multiple of this (besides of `block`)
 
     @property
     def blocked(self) -> bool:
@@ -50,7 +57,7 @@ class Format:
 
     def fits(self, k: int, n: int = 0) -> bool:
         """Whether n rows of k inputs can be stored in this format."""
-        return k % self.block == 0 and n % self.rows == 0
+        return k % self.block == 0 and k % self.k_multiple == 0 and n % self.rows == 0
 
     def row_size(self, k: int) -> int:
         return k // self.block * self.block_bytes
@@ -65,11 +72,33 @@ class Format:
 
 FP32 = Format("fp32", torch.float32, 1, 1, lambda w: w.float(), lambda w, k: w)
 BF16 = Format("bf16", torch.bfloat16, 1, 1, lambda w: w.to(torch.bfloat16), lambda w, k: w.float())
+
+
+def group_rows(w: torch.Tensor) -> torch.Tensor:
+    """bf16 weights [..., N, K] (N % 8 == 0, K % 32 == 0) -> the same elements with each 8 rows'
+    blocks of 32 interleaved: block b of a group holds row 0's weights 32b..32b+31, then row 1's, ...
+    (as blocks.py groups int8 / int4 rows), viewed as uint16."""
+    *lead, n, k = w.shape
+    if n % blocks.ROW_GROUP or k % blocks.QK:
+        raise ValueError(f"bf16 rows in groups need rows in groups of 8 rows and K % 32 == 0, got {list(w.shape)}")
+    g = w.to(torch.bfloat16).reshape(*lead, n // 8, 8, k // blocks.QK, blocks.QK).transpose(-3, -2)
+    return g.contiguous().view(torch.uint16).reshape(w.shape)
+
+
+def ungroup_rows(w: torch.Tensor) -> torch.Tensor:
+    """`group_rows`' storage -> the bf16 weights [..., N, K] in rows."""
+    *lead, n, k = w.shape
+    g = w.contiguous().view(torch.bfloat16).reshape(*lead, n // 8, k // blocks.QK, 8, blocks.QK).transpose(-3, -2)
+    return g.reshape(w.shape)
+
+
+BF16_G8 = Format("bf16", torch.uint16, 1, 1, group_rows, lambda w, k: ungroup_rows(w).float(), blocks.ROW_GROUP,
+                 blocks.QK)
 INT8 = Format("int8", torch.uint8, blocks.QK, blocks.Q8_0_BYTES, blocks.quantize_q8_0, blocks.dequantize_q8_0,
               blocks.ROW_GROUP)
 INT4 = Format("int4", torch.uint8, blocks.QK, blocks.Q4_0_BYTES, blocks.quantize_q4_0, blocks.dequantize_q4_0,
               blocks.ROW_GROUP)
-FORMATS: dict[str, Format] = {f.name: f for f in (FP32, BF16, INT8, INT4)}
+FORMATS: dict[str, Format] = {f.name: f for f in (FP32, BF16, INT8, INT4)}  # "bf16": rows (BF16_G8: policy.plan)
 
 
 def format_of(w: torch.Tensor, k: int) -> Format:
@@ -78,6 +107,8 @@ def format_of(w: torch.Tensor, k: int) -> Format:
         if w.shape[-1] != k:
             raise ValueError(f"a {w.dtype} weight with rows of {w.shape[-1]} cannot take {k} inputs")
         return FP32 if w.dtype == torch.float32 else BF16
+    if w.dtype == torch.uint16 and w.shape[-1] == k and BF16_G8.fits(k, w.shape[-2] if w.dim() > 1 else 1):
+        return BF16_G8
     if w.dtype == torch.uint8 and k % blocks.QK == 0:
         for f in (INT8, INT4):
             if w.shape[-1] == f.row_size(k):

@@ -30,12 +30,13 @@ in_proj_a/b) stays in the compute dtype, float32 on CPU, converted exactly from 
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 
 import torch
 
-from . import BF16, FORMATS, FP32, Format
+from . import BF16, BF16_G8, FORMATS, FP32, Format
 
 PARTS = ("experts", "shared_expert", "attention", "deltanet", "mlp", "lm_head", "embed", "vision", "router")
 _FLOAT_ONLY = ("embed", "vision", "router")  # parts that take no block format
@@ -95,14 +96,45 @@ def vision_dtype(spec: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
     """The storage dtype of the vision tower's matrices under `spec` (see the `vision` part)."""
     fmt = parse(spec)["vision"]
     fmt = lossless_auto(checkpoint_dtype) if fmt == "auto" else FORMATS[fmt]
-    return torch.bfloat16 if fmt is BF16 else torch.float32
+    return torch.bfloat16 if fmt in (BF16, BF16_G8) else torch.float32
 
 
-def plan(shapes: dict[str, tuple[int, ...]], spec: str, checkpoint_dtype: torch.dtype) -> dict[str, Format]:
+def bf16_groups() -> bool:
+    """Whether bf16 matrices are stored with their rows in groups of 8 (BF16_G8) rather than in rows:
+    where the CPU kernels in use are an AVX-512 build. There a one-row product reads a group of 8
+    rows as one stream and loads x once for the 8 rows (lm/kernels/vec.h, block_bf16_groups), and
+    whole batch-1 bf16 steps ran 1.02-1.22x, batch 4 1.02x; with AVX2's 16 registers the products of
+    3-8 rows of x read groups slower than rows (batch-4 steps 0.87x), so AVX2 builds, and the
+    reference paths, keep rows (docs/weight-formats-log.md, 23rd and 24th sessions). Both layouts
+    hold the same bf16 values. One switch, the environment variable QWEN35_BF16_GROUPS: "auto"
+    (unset) as above, "1" groups, "0" rows."""
+    value = os.environ.get("QWEN35_BF16_GROUPS", "auto").strip().lower()
+    if value not in ("auto", "1", "0"):
+        raise ValueError(f"QWEN35_BF16_GROUPS must be auto, 1 or 0, got {value!r}")
+    if value != "auto":
+        return value == "1"
+    from ..kernels import _kernels
+
+    module = _kernels()
+    return module is not None and module.VECTOR_FLOATS >= 16
+
+
+def storage(name: str) -> Format:
+    """The format a weight of `name` ("fp32", "bf16", "int8", "int4") is stored in where it fits:
+    bf16 in groups of 8 rows where `bf16_groups()`, else FORMATS[name]."""
+    return BF16_G8 if name == "bf16" and bf16_groups() else FORMATS[name]
+
+
+def plan(shapes: dict[str, tuple[int, ...]], spec: str, checkpoint_dtype: torch.dtype,
+         tied: bool = False, groups: bool | None = None) -> dict[str, Format]:
     """The storage format of every large LM parameter (name -> Format; the rest stay in the compute
     dtype). `shapes` are the parameters' logical shapes; "auto" means bf16 for a bf16 (or fp8)
     checkpoint, else fp32. A block format that does not fit a weight (K % 32, or its rows % 8)
-    leaves it in bf16, said once on stderr with the names."""
+    leaves it in bf16, said once on stderr with the names. With `groups` (default: `bf16_groups()`)
+    bf16 is stored with its rows in groups of 8 (BF16_G8) where they fit, in rows (BF16) for the
+    embedding table, the router, a head `tied` to the table and the matrices that do not fit (both
+    layouts are exact)."""
+    groups = bf16_groups() if groups is None else groups
     parts = parse(spec)
     auto = lossless_auto(checkpoint_dtype)
     formats, unfit = {}, []
@@ -115,6 +147,8 @@ def plan(shapes: dict[str, tuple[int, ...]], spec: str, checkpoint_dtype: torch.
         if not fmt.fits(shape[-1], rows):
             unfit.append(name)
             fmt = BF16
+        elif fmt is BF16 and groups and BF16_G8.fits(shape[-1], rows):
+            fmt = BF16 if part in _FLOAT_ONLY or (tied and part == "lm_head") else BF16_G8
         if fmt is not FP32:
             formats[name] = fmt
     if unfit:

@@ -122,23 +122,25 @@ def panels(weight: torch.Tensor) -> torch.Tensor:
     row-major products are compute-bound; through the panels they run ~1.6x faster at this
     machine's higher memory bandwidth. The copy costs the weight's memory once more; it is made on
     first use, lives as long as the weight and is remade when the weight is written in place.
-    Float32 and bf16 weights (a bf16 copy for a bf16 weight: vec.h, panel_load) of at least
+    Float32 and bf16 weights (a bf16 copy for a bf16 weight of either layout: vec.h, panel_load) of at least
     MIN_WEIGHT_ELEMENTS, contiguous, [N, K] with N a multiple of 16; else an empty tensor."""
-    if (weight.dtype not in (torch.float32, torch.bfloat16) or weight.numel() < MIN_WEIGHT_ELEMENTS
+    if (weight.dtype not in (torch.float32, torch.bfloat16, torch.uint16) or weight.numel() < MIN_WEIGHT_ELEMENTS
             or not weight.is_contiguous() or weight.dim() != 2 or weight.shape[0] % 16):
         return _NO_PANELS
     cached = _panels.get(id(weight))
     if cached is not None and cached[0] == weight._version:
         return cached[1]
+    from ..formats import ungroup_rows
     from ..hugepages import advise_huge_pages
 
     n, k = weight.shape
+    rows = ungroup_rows(weight) if weight.dtype == torch.uint16 else weight  # bf16 rows in groups of 8
     full = n // PANEL * PANEL
-    copy = torch.empty(n * k, dtype=weight.dtype)
+    copy = torch.empty(n * k, dtype=rows.dtype)
     advise_huge_pages([copy])  # streamed like the weights: before the first write
     with torch.no_grad():
-        copy[: full * k].view(-1, k, PANEL).copy_(weight[:full].view(-1, PANEL, k).transpose(1, 2))
-        copy[full * k :].view(k, n - full).copy_(weight[full:].t())
+        copy[: full * k].view(-1, k, PANEL).copy_(rows[:full].view(-1, PANEL, k).transpose(1, 2))
+        copy[full * k :].view(k, n - full).copy_(rows[full:].t())
     if id(weight) not in _panels:
         weakref.finalize(weight, _panels.pop, id(weight), None)
     _panels[id(weight)] = (weight._version, copy)

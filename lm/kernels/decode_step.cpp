@@ -146,10 +146,7 @@ void DecodePlan::add_panels(at::Tensor weight, at::Tensor panels) {
   if (head_op_.W.data == data) uses.push_back(&head_op_);
   TORCH_CHECK(!uses.empty(), "add_panels: the weight is none of the plan's products");
   const Operand& op = *uses[0];
-  TORCH_CHECK(op.W.fmt == F32 || op.W.fmt == BF16, "panel copies are of float32 and bf16 weights only");
-  TORCH_CHECK(panels.device().is_cpu() && panels.is_contiguous() && panels.scalar_type() == weight.scalar_type(),
-              "panels must be a contiguous CPU tensor in the weight's dtype");
-  TORCH_CHECK(panels.numel() == weight.numel() && op.N % V == 0, "panels must be a panel copy of the weight");
+  check_panels(op.W.fmt, weight, panels, op.N);
   for (Operand* o : uses) o->panels = panels.data_ptr();
   panels_.push_back(panels);
 }
@@ -270,6 +267,8 @@ void DecodePlan::set_ends(at::Tensor embedding, at::Tensor inv_freq, at::Tensor 
   for (int64_t i = 0; i < axis.numel(); ++i) TORCH_CHECK(a[i] >= 0 && a[i] < 3, "decode plan: axis values are 0, 1 or 2");
   TORCH_CHECK(embedding.size(1) == hidden_, "decode plan: the embedding table does not match the layers' hidden size");
   table_ = rows_of(embedding, hidden_, "embedding");
+  TORCH_CHECK(table_.fmt == F32 || table_.fmt == BF16, "decode plan: the embedding table must be float32 or bf16 rows "
+              "(its rows are gathered one by one)");
   head_op_ = {rows_of(head, hidden_, "lm_head"), head.size(0), hidden_};  // a clear error now, not at a step
   embedding_ = embedding, inv_freq_ = inv_freq, axis_ = axis, head_ = head;
 }

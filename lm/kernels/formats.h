@@ -7,8 +7,12 @@
 //   Q4_0  uint8    [..., N, K / 32 * 18]         GGUF Q4_0 blocks: fp16 scale d, 16 bytes holding
 //                                                q[j] (low nibble) and q[j + 16] (high); w = d (q - 8);
 //                                                rows in groups of 8 (N % 8 == 0; see below)
+//   BF16_G8 uint16 [..., N, K]                   bf16 bits, rows in groups of 8 as the block formats'
+//                                                (K % 32 == 0, N % 8 == 0; see below): one stream
+//                                                and one load of x for 8 rows in one-row products
 // The format follows from the dtype and, for uint8, from the row size relative to K (34 != 18 per
-// block), so the kernels take the same tensors as before and Python needs no format argument.
+// block; uint16 is bf16 in groups of 8 rows), so the kernels take the same tensors as before and
+// Python needs no format argument.
 // Each traits struct turns one block of 32 weights into float32 vectors in registers (`load`):
 // the products compute in float32 with the dequantized weights, which are exact (an fp16 scale times
 // a small integer fits in float32), so a product equals dequantize-then-matmul up to summation order.
@@ -64,7 +68,7 @@ inline void prefetch_ahead(const void* p, int64_t ahead) {
   if constexpr (R >= PREFETCH_ROWS) __builtin_prefetch(static_cast<const char*>(p) + ahead, 0, 3);
 }
 
-enum Fmt : int { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3 };
+enum Fmt : int { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3, BF16_G8 = 4 };
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
@@ -222,6 +226,13 @@ struct TraitsQ4_0 {
   }
 };
 
+// bf16 rows in groups of 8 (BF16_G8), read one row of a group: `row` is the group's start plus
+// 64 bytes per row before it, and the row's blocks of 32 weights lie RG * 64 bytes apart.
+struct TraitsBF16G8 : TraitsBF16 {
+  static constexpr int64_t block_bytes = 8 * QK * 2;  // the stride of a row's blocks (RG rows a block)
+  static inline void load(const uint8_t* row, int64_t b, wvec* w) { TraitsBF16::load(row + b * block_bytes, 0, w); }
+};
+
 // Prefetch for the compact formats' blocks (bf16, Q8_0, Q4_0) in products of R rows. Products that
 // are memory-bound (R <= T::streamed_rows) and have at most PREFETCH_L2_ROWS rows (Intel: 8, i.e. all;
 // AMD Zen 5 on: 2; elsewhere 0) prefetch only T::prefetch_l2_bytes ahead and into L2 (prefetcht1); the
@@ -276,9 +287,10 @@ inline void prefetch_block(const void* p) {
 // the 8 rows' fp16 scales, then chunks of 32 bytes (Q8_0: 8, Q4_0: 4), chunk c holding quant bytes
 // 4c..4c+3 of row 0, 1, ..., 7: 272 / 144 bytes. A group starts at Rows::row(n) for n % 8 == 0. The
 // decode products read it as it is (int8_dot.h); block_of rebuilds one row's GGUF block for the
-// other paths.
+// other paths. BF16_G8 groups 8 bf16 rows the same way: block b of a group is row 0's weights
+// 32b..32b+31, then row 1's, ..., 512 bytes (lm/formats/__init__.py, group_rows).
 constexpr int RG = 8;
-inline bool grouped(Fmt f) { return f == Q8_0 || f == Q4_0; }
+inline bool grouped(Fmt f) { return f == Q8_0 || f == Q4_0 || f == BF16_G8; }
 
 template <class T>
 constexpr int64_t group_block_bytes() { return RG * T::block_bytes; }  // one block of a group
@@ -296,7 +308,8 @@ inline void block_of(const uint8_t* group, int64_t b, int r, uint8_t* out) {
 inline int64_t row_bytes(Fmt f, int64_t K) {
   switch (f) {
     case F32: return K * 4;
-    case BF16: return K * 2;
+    case BF16:
+    case BF16_G8: return K * 2;
     case Q8_0: return K / QK * TraitsQ8_0::block_bytes;
     default: return K / QK * TraitsQ4_0::block_bytes;
   }
@@ -319,6 +332,11 @@ inline Fmt format_of(const at::Tensor& w, int64_t K, const char* name) {
   switch (w.scalar_type()) {
     case at::kFloat: TORCH_CHECK(last == K, name, ": float32 rows of ", last, ", expected ", K); return F32;
     case at::kBFloat16: TORCH_CHECK(last == K, name, ": bfloat16 rows of ", last, ", expected ", K); return BF16;
+    case at::kUInt16:
+      TORCH_CHECK(last == K && K % QK == 0, name, ": bf16 rows in groups of 8 (uint16) need rows of K = ", K,
+                  ", a multiple of 32; got ", last);
+      TORCH_CHECK(w.size(-2) % RG == 0, name, ": bf16 rows in groups come in groups of ", RG, ", got ", w.size(-2));
+      return BF16_G8;
     case at::kByte:
       TORCH_CHECK(K % QK == 0, name, ": block formats need K % 32 == 0, got K = ", K);
       TORCH_CHECK(last == row_bytes(Q8_0, K) || last == row_bytes(Q4_0, K), name, ": uint8 rows of ", last,
@@ -369,11 +387,24 @@ inline void group_rows_to_float(const Rows& w, int64_t N, int64_t K, float* out)
     }
 }
 
-// Rows [0, N) of w as float32 (the traits' to_float); Q8_0 / Q4_0: from a group start, N % 8 == 0.
+// Groups of 8 bf16 rows (BF16_G8) from w.row(0) (N % 8 == 0) as float32 into out [N, K].
+inline void bf16_group_rows_to_float(const Rows& w, int64_t N, int64_t K, float* out) {
+  wvec v[NB];
+  for (int64_t g = 0; g < N / RG; ++g)
+    for (int r = 0; r < RG; ++r)
+      for (int64_t b = 0; b < K / QK; ++b) {
+        TraitsBF16G8::load(w.row(g * RG) + r * QK * 2, b, v);
+        std::memcpy(out + (g * RG + r) * K + b * QK, v, sizeof(v));
+      }
+}
+
+// Rows [0, N) of w as float32 (the traits' to_float); Q8_0 / Q4_0 / BF16_G8: from a group start,
+// N % 8 == 0.
 inline void to_float(const Rows& w, int64_t N, int64_t K, float* out) {
   switch (w.fmt) {
     case F32: rows_to_float<TraitsF32>(w, N, K, out); break;
     case BF16: rows_to_float<TraitsBF16>(w, N, K, out); break;
+    case BF16_G8: bf16_group_rows_to_float(w, N, K, out); break;
     case Q8_0: group_rows_to_float<TraitsQ8_0>(w, N, K, out); break;
     default: group_rows_to_float<TraitsQ4_0>(w, N, K, out); break;
   }

@@ -23,10 +23,7 @@ Product product(const at::Tensor& x, const at::Tensor& W, const at::Tensor& pane
   TORCH_CHECK(W.dim() == 2, "every weight must be [N, K] (K in its format's row)");
   Product p{x.data_ptr<float>(), x.size(0), x.size(1), rows_of(W, x.size(1)), W.size(0), x.size(1), y.data_ptr<float>()};
   if (panels.defined() && panels.numel()) {
-    TORCH_CHECK(p.W.fmt == F32 || p.W.fmt == BF16, "panel copies are of float32 and bf16 weights only");
-    TORCH_CHECK(panels.device().is_cpu() && panels.is_contiguous() && panels.scalar_type() == W.scalar_type(),
-                "panels must be a contiguous CPU tensor in the weight's dtype");
-    TORCH_CHECK(panels.numel() == W.numel() && W.size(0) % V == 0, "panels must be a panel copy of the weight");
+    check_panels(p.W.fmt, W, panels, W.size(0));
     p.panels = panels.data_ptr();
   }
   return p;

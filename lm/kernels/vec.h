@@ -196,6 +196,38 @@ inline void dot_two_rows(const float* x, const uint8_t* wa, const uint8_t* wb, i
   *ya = sa, *yb = sc;
 }
 
+// One row of x (xp: in TraitsBF16Pairs' order) times the bf16 rows [n0, n1) of a BF16_G8 weight
+// (whole groups of 8) -> y[n0:n1]. Per block of 32 inputs, x's vectors are loaded once for the
+// group's 8 rows, each row read as pairs (one load, a shift and an and per 2W weights) into its own
+// accumulator: one stream a thread and a third of the loads of one row at a time. (The AVX2 build
+// takes x two vectors at a time: 8 accumulators, 2 of x and the pair in 16 registers.) Against one
+// row at a time, in cache: 1.7-1.8x; whole batch-1 bf16 steps in the fast memory state ~1.11x
+// (docs/weight-formats-log.md, 23rd session).
+inline void block_bf16_groups(const float* xp, const Rows& Wg, int64_t K, int64_t n0, int64_t n1, float* y) {
+  for (int64_t n = n0; n < n1; n += RG) {
+    const uint8_t* g = Wg.row(n);
+    wvec acc[RG];
+    for (int r = 0; r < RG; ++r) acc[r] = wvec{};
+    for (int64_t b = 0; b < K / QK; ++b) {
+      const uint8_t* o = g + b * TraitsBF16G8::block_bytes;
+      for (int j = 0; j < NB; j += 2) {  // 2W weights of each row: its even ones, then its odd ones
+        const wvec x0 = wload(xp + b * QK + j * W), x1 = wload(xp + b * QK + (j + 1) * W);
+        for (int r = 0; r < RG; ++r) {
+          wvec_u32 u;
+          std::memcpy(&u, o + r * QK * 2 + j * W * 2, sizeof(u));
+          const wvec_u32 even = u << 16, odd = u & 0xffff0000u;
+          wvec e, d;
+          std::memcpy(&e, &even, sizeof(e));
+          std::memcpy(&d, &odd, sizeof(d));
+          acc[r] += e * x0;
+          acc[r] += d * x1;
+        }
+      }
+    }
+    for (int r = 0; r < RG; ++r) y[n + r] = hsum(acc[r]);
+  }
+}
+
 // How many weight rows a one-row bf16 pairs product streams at once (QWEN35_BF16_PAIR_ROWS, with
 // QWEN35_BF16_PAIRS; lm/kernels/build.py): 2 on Zen 3, 1 on Zen 4's AVX-512 build.
 #ifndef QWEN35_BF16_PAIR_ROWS
@@ -213,6 +245,7 @@ inline void dot_two_rows(const float* x, const uint8_t* wa, const uint8_t* wb, i
 // the same bytes (a pair is one load, a shift and an and per 32 weights, the widening loads two
 // loads and two shifts); two rows at once 12-13 (two streams a core run at half speed there).
 inline void block_pairs(const float* xp, const Rows& W, int64_t K, int64_t n0, int64_t n1, float* y) {
+  if (W.fmt == BF16_G8) return block_bf16_groups(xp, W, K, n0, n1, y);
   const int64_t h = QWEN35_BF16_PAIR_ROWS == 2 ? (n1 - n0) / 2 : 0;
   for (int64_t n = n0; n < n0 + h; ++n) dot_two_rows<TraitsBF16Pairs>(xp, W.row(n), W.row(n + h), K, y + n, y + n + h);
   for (int64_t n = n0 + 2 * h; n < n1; ++n) dot_row_fmt<1, TraitsBF16Pairs>(xp, K, W.row(n), 0, K, y + n, 1, false);
@@ -223,7 +256,62 @@ inline void block_pairs(const float* xp, const Rows& W, int64_t K, int64_t n0, i
 #ifndef QWEN35_BF16_PAIRS
 #define QWEN35_BF16_PAIRS 0
 #endif
-inline bool pairs_path(const Rows& W, int64_t M) { return QWEN35_BF16_PAIRS && W.fmt == BF16 && M == 1; }
+// bf16 rows in groups of 8 take it with one row of x on every build (block_bf16_groups).
+inline bool pairs_path(const Rows& W, int64_t M) {
+  return M == 1 && ((QWEN35_BF16_PAIRS && W.fmt == BF16) || W.fmt == BF16_G8);
+}
+
+// Rows [0, M) of x (2 <= M <= 8) times the bf16 rows [n0, n1) of a BF16_G8 weight (whole groups)
+// -> y[:, n0:n1]. A group is read in passes of RS adjacent rows (RS x 64 contiguous bytes of each
+// 512-byte block), R x RS accumulators, x's R vectors loaded once per RS rows: as many rows a pass
+// as the registers hold (AVX-512 32, AVX2 16). Reading one row of a group per pass (its 64 bytes of
+// every 512) ran batch-4 bf16 steps 0.78x of the rows layout.
+template <int R>
+constexpr int group_pass_rows() {
+  if constexpr (W == 16) return R <= 2 ? 8 : R <= 4 ? 4 : 2;
+  return R <= 2 ? 4 : R <= 4 ? 2 : 1;
+}
+
+template <int R>
+inline void block_bf16_groups_rows(const float* x, int64_t ldx, const Rows& Wg, int64_t K, int64_t n0, int64_t n1,
+                                   float* y, int64_t ldy) {
+  constexpr int RS = group_pass_rows<R>();
+  for (int64_t n = n0; n < n1; n += RG) {
+    const uint8_t* g = Wg.row(n);
+    for (int h = 0; h < RG; h += RS) {
+      wvec acc[R][RS];
+      for (int r = 0; r < R; ++r)
+        for (int s = 0; s < RS; ++s) acc[r][s] = wvec{};
+      for (int64_t b = 0; b < K / QK; ++b) {
+        const uint8_t* o = g + b * TraitsBF16G8::block_bytes + h * QK * 2;
+        for (int s = 0; s < RS; ++s) prefetch_ahead<R>(o + s * QK * 2, PREFETCH_BYTES);  // the pass's lines
+        for (int j = 0; j < NB; ++j) {
+          wvec xv[R];
+          for (int r = 0; r < R; ++r) xv[r] = wload(x + r * ldx + b * QK + j * W);
+          for (int s = 0; s < RS; ++s) {
+            const wvec w = cvt_bf16(o + s * QK * 2 + j * W * 2);
+            for (int r = 0; r < R; ++r) acc[r][s] += w * xv[r];
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int s = 0; s < RS; ++s) y[r * ldy + n + h + s] = hsum(acc[r][s]);
+    }
+  }
+}
+
+inline void block_bf16_groups_rows(const float* x, int64_t M, int64_t ldx, const Rows& Wg, int64_t K, int64_t n0,
+                                   int64_t n1, float* y, int64_t ldy) {
+  switch (M) {
+    case 2: block_bf16_groups_rows<2>(x, ldx, Wg, K, n0, n1, y, ldy); break;
+    case 3: block_bf16_groups_rows<3>(x, ldx, Wg, K, n0, n1, y, ldy); break;
+    case 4: block_bf16_groups_rows<4>(x, ldx, Wg, K, n0, n1, y, ldy); break;
+    case 5: block_bf16_groups_rows<5>(x, ldx, Wg, K, n0, n1, y, ldy); break;
+    case 6: block_bf16_groups_rows<6>(x, ldx, Wg, K, n0, n1, y, ldy); break;
+    case 7: block_bf16_groups_rows<7>(x, ldx, Wg, K, n0, n1, y, ldy); break;
+    default: block_bf16_groups_rows<8>(x, ldx, Wg, K, n0, n1, y, ldy); break;
+  }
+}
 
 // Rows [0, M) of x (M <= 8) times weight rows [n0, n1) of W (format T) -> y[:, n0:n1]; with 5-8
 // rows x is taken in chunks of K that stay in L1, as in `block`.
@@ -277,6 +365,7 @@ inline void block(const float* x, int64_t M, int64_t ldx, const Rows& W, int64_t
   switch (W.fmt) {
     case F32: block(x, M, ldx, W.f32(), K, n0, n1, y, ldy); break;
     case BF16: block_fmt<TraitsBF16>(x, M, ldx, W, K, n0, n1, y, ldy); break;
+    case BF16_G8: block_bf16_groups_rows(x, M, ldx, W, K, n0, n1, y, ldy); break;  // M >= 2 (pairs_path: 1)
     default: {  // Q8_0 / Q4_0 with float32 activations (off by default): each group of 8 rows in float32 first
       thread_local std::vector<float> rows;
       rows.resize(RG * K);
@@ -349,10 +438,20 @@ inline void panel_block(const float* xt, int64_t M, const E* panels, int64_t K, 
   }
 }
 
-// The same for a panel copy in the format of its weight (F32 or BF16).
+// That `panels` can be the panel copy of `weight` (format fmt, N rows): float32 for a float32
+// weight, bf16 for a bf16 one of either layout (kernels.panels in Python makes them).
+inline void check_panels(Fmt fmt, const at::Tensor& weight, const at::Tensor& panels, int64_t N) {
+  TORCH_CHECK(fmt == F32 || fmt == BF16 || fmt == BF16_G8, "panel copies are of float32 and bf16 weights only");
+  TORCH_CHECK(panels.device().is_cpu() && panels.is_contiguous() &&
+                  panels.scalar_type() == (fmt == F32 ? at::kFloat : at::kBFloat16),
+              "panels must be a contiguous CPU tensor: float32 for a float32 weight, bf16 for a bf16 one");
+  TORCH_CHECK(panels.numel() == weight.numel() && N % V == 0, "panels must be a panel copy of the weight");
+}
+
+// The same for a panel copy in the format of its weight (F32, or BF16 for bf16 weights of either layout).
 inline void panel_block(const float* xt, int64_t M, Fmt fmt, const void* panels, int64_t K, int64_t N, int64_t p0,
                         int64_t p1, float* y, int64_t ldy) {
-  if (fmt == BF16)
+  if (fmt == BF16 || fmt == BF16_G8)
     panel_block(xt, M, static_cast<const uint16_t*>(panels), K, N, p0, p1, y, ldy);
   else
     panel_block(xt, M, static_cast<const float*>(panels), K, N, p0, p1, y, ldy);

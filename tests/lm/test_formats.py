@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import mm
 from lm import kernels
-from lm.formats import BF16, FP32, INT4, INT8, blocks, format_of, policy, to_float
+from lm.formats import BF16, BF16_G8, FP32, INT4, INT8, blocks, format_of, group_rows, policy, to_float
 from tests.conftest import q8_0_round, rel_err
 
 
@@ -77,17 +77,68 @@ def test_format_of_refuses_unknown_storage():
         format_of(torch.zeros(4, 30), 64)
 
 
-@pytest.mark.parametrize("fmt", [BF16, INT8, INT4])
+@pytest.mark.parametrize("fmt", [BF16, BF16_G8, INT8, INT4])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
-def test_products_with_float_activations_equal_dequantized_matmul(kernels_on, fmt, rows):
+def test_products_with_float_activations_equal_dequantized_matmul(kernels_on, fmt, rows, monkeypatch):
     kernels.set_int8_activations(False)
+    monkeypatch.setattr(kernels, "MIN_WEIGHT_ELEMENTS", 0)  # decode rows from panel_rows() on: the panels
     w, g = _weights(), torch.Generator().manual_seed(rows)
     q = fmt.quantize(w)
     x, b = torch.randn(rows, 256, generator=g), torch.randn(48, generator=g)
     ref = F.linear(x, fmt.dequantize(q, 256), b)
     assert rel_err(kernels.linear(x, q, b), ref) < 1e-5
     assert rel_err(kernels.linear(x[None], q, b)[0], ref) < 1e-5  # [B, T, K] inputs
+    assert rel_err(kernels.linear(x[:, None], q, b)[:, 0], ref) < 1e-5  # decode rows [B, 1, K]
     assert torch.equal(to_float(q, 256), fmt.dequantize(q, 256))  # the C++ conversion, bit for bit
+
+
+def test_bf16_rows_in_groups_of_8():
+    """BF16_G8 holds a bf16 weight's own values (exact), block b of each group of 8 rows being row 0's
+    weights 32b..32b+31, then row 1's, ... (the layout lm/kernels/formats.h reads); the policy stores
+    bf16 so where it fits, in rows for the embedding table, the router, a tied head and the rest."""
+    w = torch.randn(16, 96, generator=torch.Generator().manual_seed(0))
+    q = group_rows(w)
+    assert q.dtype == torch.uint16 and q.shape == w.shape and format_of(q, 96) is BF16_G8
+    assert torch.equal(BF16_G8.dequantize(q, 96), w.bfloat16().float())
+    flat = q.view(torch.bfloat16).reshape(-1)
+    for group, r, b in [(0, 0, 0), (0, 5, 2), (1, 7, 1)]:
+        at = (group * 3 + b) * 8 * 32 + r * 32
+        assert torch.equal(flat[at : at + 32], w[group * 8 + r, 32 * b : 32 * b + 32].bfloat16())
+    with pytest.raises(ValueError, match="groups of 8 rows"):
+        group_rows(torch.randn(12, 64))
+    assert not BF16_G8.fits(64, 12) and not BF16_G8.fits(48, 16) and BF16_G8.fits(64, 16)
+    shapes = {"model.embed_tokens.weight": (512, 64), "lm_head.weight": (512, 64),
+              "model.layers.0.mlp.gate.weight": (8, 64), "model.layers.0.mlp.experts.gate_up_proj": (8, 32, 64),
+              "model.layers.0.linear_attn.in_proj_qkv.weight": (96, 64),
+              "model.layers.0.linear_attn.out_proj.weight": (64, 36)}
+    for tied in (False, True):
+        plan = policy.plan(shapes, "auto", torch.bfloat16, tied, groups=True)
+        assert plan["lm_head.weight"] is (BF16 if tied else BF16_G8)
+        assert plan["model.embed_tokens.weight"] is BF16 and plan["model.layers.0.mlp.gate.weight"] is BF16
+        assert plan["model.layers.0.mlp.experts.gate_up_proj"] is BF16_G8
+        assert plan["model.layers.0.linear_attn.in_proj_qkv.weight"] is BF16_G8
+        assert plan["model.layers.0.linear_attn.out_proj.weight"] is BF16  # K = 36: no whole blocks of 32
+        assert policy.plan(shapes, "int4,deltanet=bf16", torch.bfloat16, tied, groups=True)[
+            "model.layers.0.linear_attn.in_proj_qkv.weight"] is BF16_G8  # a bf16 part under another base
+        assert set(policy.plan(shapes, "auto", torch.bfloat16, tied, groups=False).values()) == {BF16}
+
+
+def test_bf16_groups_follow_the_kernels_build_and_the_switch(monkeypatch):
+    """Groups of 8 rows where the CPU kernels in use are an AVX-512 build (16-float vectors), rows
+    on AVX2 builds and the reference paths; QWEN35_BF16_GROUPS forces either, and a bad value is an
+    error that names the variable."""
+    monkeypatch.delenv("QWEN35_BF16_GROUPS", raising=False)
+    for module, grouped in [(None, False), (type("M", (), {"VECTOR_FLOATS": 8}), False),
+                            (type("M", (), {"VECTOR_FLOATS": 16}), True)]:
+        monkeypatch.setattr(kernels, "_kernels", lambda module=module: module)
+        assert policy.bf16_groups() is grouped
+        assert policy.storage("bf16") is (BF16_G8 if grouped else BF16) and policy.storage("int4") is INT4
+    for value, grouped in [("1", True), ("0", False)]:
+        monkeypatch.setenv("QWEN35_BF16_GROUPS", value)
+        assert policy.bf16_groups() is grouped
+    monkeypatch.setenv("QWEN35_BF16_GROUPS", "yes")
+    with pytest.raises(ValueError, match="QWEN35_BF16_GROUPS"):
+        policy.bf16_groups()
 
 
 @pytest.mark.parametrize("k", [200, 1056])
@@ -134,7 +185,7 @@ def test_int8_dot_products_of_one_row_equal_those_of_more_rows_bit_for_bit(int8_
         assert torch.equal(kernels.linear(x[r : r + 1], q), both[r : r + 1])
 
 
-@pytest.mark.parametrize("fmt", [BF16, INT8, INT4])
+@pytest.mark.parametrize("fmt", [BF16, BF16_G8, INT8, INT4])
 def test_grouped_and_moe_decode_kernels_with_compact_experts(kernels_on, fmt):
     g = torch.Generator().manual_seed(0)
     gate_up, down = torch.randn(6, 64, 96, generator=g) * 0.1, torch.randn(6, 96, 32, generator=g) * 0.1
@@ -172,7 +223,7 @@ def test_grouped_and_moe_decode_kernels_with_compact_experts(kernels_on, fmt):
     with torch.no_grad():
         assert rel_err(block(x), dense(x)) < 1e-5  # moe_decode reading the compact experts
         assert rel_err(block(prefill), dense(prefill)) < 1e-5
-        if fmt is not BF16 and kernels._kernels().INT8_DOT:  # x and each expert's act rounded to Q8_0
+        if fmt.name != "bf16" and kernels._kernels().INT8_DOT:  # x and each expert's act rounded to Q8_0
             kernels.set_int8_activations(True)
             assert 1e-6 < rel_err(block(x), dense(x)) < 2e-2  # ~1.0% for both formats here
 
@@ -296,13 +347,20 @@ def _batch(b, seed=0):
     return ids, mask
 
 
+@pytest.mark.parametrize("groups", ["1", "0"])  # bf16 rows in groups of 8 (AVX-512 builds' default), rows
 @pytest.mark.parametrize("kind", ["moe_text", "dense_vl"])
-def test_bf16_storage_equals_fp32_on_a_bf16_checkpoint(tmp_path, kind, monkeypatch):
+def test_bf16_storage_equals_fp32_on_a_bf16_checkpoint(tmp_path, kind, groups, monkeypatch):
+    monkeypatch.setenv("QWEN35_BF16_GROUPS", groups)
     path = _bf16_checkpoint(tmp_path, kind, shared_expert_intermediate_size=64) if kind.startswith("moe") else \
         _bf16_checkpoint(tmp_path, kind)
     monkeypatch.setattr(kernels, "MIN_WEIGHT_ELEMENTS", 0)
     fp32, auto = mm.load_model(path, weights="fp32"), mm.load_model(path)
-    assert auto.lm.lm_head.weight.dtype == torch.bfloat16 and fp32.lm.lm_head.weight.dtype == torch.float32
+    # bf16 in rows, or in rows grouped by 8 (uint16) but for the embedding table and a head tied to it
+    tied, groups = auto.lm.config.tie_word_embeddings, groups == "1"
+    assert auto.lm.lm_head.weight.dtype == (torch.uint16 if groups and not tied else torch.bfloat16)
+    assert auto.lm.model.embed_tokens.weight.dtype == torch.bfloat16 and fp32.lm.lm_head.weight.dtype == torch.float32
+    grouped = [p for n, p in auto.lm.named_parameters() if p.dtype == torch.uint16]
+    assert len(grouped) >= 2 * len(auto.lm.model.layers) if groups else not grouped  # every layer's large matrices
     if kind.startswith("moe"):  # the router too: decode (moe_decode) and prefill read it in bf16
         routers = [(a.mlp.gate.weight, f.mlp.gate.weight) for a, f in zip(auto.lm.model.layers, fp32.lm.model.layers)]
         assert all(a.dtype == torch.bfloat16 and f.dtype == torch.float32 and torch.equal(a.float(), f) for a, f in routers)
@@ -428,7 +486,8 @@ def test_fp8_checkpoint_loads_block_dequantized(tmp_path):
         else:
             param = params[name]
         assert torch.equal(param, value), name
-    assert mm.load_model(path).lm.lm_head.weight.dtype == torch.bfloat16  # auto: an fp8 checkpoint is bf16-class
+    auto = mm.load_model(path).lm.lm_head.weight  # auto: an fp8 checkpoint is bf16-class (rows grouped by 8)
+    assert format_of(auto, auto.shape[-1]).name == "bf16"
 
 
 @pytest.fixture(autouse=True)
