@@ -5,7 +5,7 @@ Quantizing a 35B checkpoint to int4 reads and converts ~70 GB of bf16 tensors; t
 `~/.cache/qwen35-vl`), one safetensors file of our parameter names in their storage dtypes, so the
 next start reads the converted tensors instead of converting again. The key hashes the checkpoint's
 weight files (names, sizes, modification times), its config.json, the weights spec, the layout of
-its bf16 parts (rows, or rows in groups of 8 on AVX-512 builds: lm/formats/policy.bf16_groups) and
+its bf16 parts (rows, or rows in groups of 8 with the CPU kernels: lm/formats/policy.bf16_groups) and
 FORMAT_VERSION, so a changed checkpoint or spec gets a new entry. A checkpoint keeps one entry per
 spec (switching between int8 and int4 converts each once): when an entry is written, the same
 checkpoint's entries of that spec with another key (stale: the checkpoint or FORMAT_VERSION

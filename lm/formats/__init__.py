@@ -12,12 +12,13 @@ the same tensors, in registers):
     int4   uint8 [..., N, K/32*18], GGUF Q4_0    4.5              w = d (q - 8)
 
 int8 and int4 keep GGUF's blocks with the rows regrouped by 8 (blocks.py), so their weights need a
-multiple of 8 rows; the policy (policy.py) keeps any other weight in bf16 and says so. bf16 matrices
-are stored the same way, 8 rows' blocks of 32 weights interleaved (`group_rows`), as uint16 so that
-the kernels can tell them from bf16 rows: a one-row product then reads one stream and loads x once
-for 8 rows (lm/kernels/vec.h, block_bf16_groups). The embedding table (its rows are gathered), a
-tied LM head (the same table), the router, the vision tower and matrices whose rows are no multiple
-of 8 (or K of 32) keep bf16 rows (BF16).
+multiple of 8 rows; the policy (policy.py) keeps any other weight in bf16 and says so. Where the CPU
+kernels are in use (policy.bf16_groups), bf16 matrices are stored the same way, 8 rows' blocks of
+32 weights interleaved (`group_rows`), as uint16 so that the kernels can tell them from bf16 rows:
+a one-row product then reads one stream and loads x once for 8 rows (lm/kernels/vec.h,
+block_bf16_groups). The embedding table (its rows are gathered), a tied LM head (the same table),
+the router, the vision tower and matrices whose rows are no multiple of 8 (or K of 32) keep bf16
+rows (BF16), as does every bf16 matrix on the reference paths.
 
 The format of a tensor follows from its dtype and, for uint8, from its row size relative to K, so a
 layer holds its weight as before and never names a format: `to_float(w, k)` gives the float32 matrix

@@ -101,13 +101,14 @@ def vision_dtype(spec: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
 
 def bf16_groups() -> bool:
     """Whether bf16 matrices are stored with their rows in groups of 8 (BF16_G8) rather than in rows:
-    where the CPU kernels in use are an AVX-512 build. There a one-row product reads a group of 8
-    rows as one stream and loads x once for the 8 rows (lm/kernels/vec.h, block_bf16_groups), and
-    whole batch-1 bf16 steps ran 1.02-1.22x, batch 4 1.02x; with AVX2's 16 registers the products of
-    3-8 rows of x read groups slower than rows (batch-4 steps 0.87x), so AVX2 builds, and the
-    reference paths, keep rows (docs/weight-formats-log.md, 23rd and 24th sessions). Both layouts
-    hold the same bf16 values. One switch, the environment variable QWEN35_BF16_GROUPS: "auto"
-    (unset) as above, "1" groups, "0" rows."""
+    wherever the CPU kernels are in use. A one-row product then reads a group of 8 rows as one stream
+    and loads x once for the 8 rows (lm/kernels/vec.h, block_bf16_groups), products of 2-8 rows read
+    a group in passes while the next one streams in. Whole bf16 decode steps of the bench checkpoint
+    against rows, in turns on a 2-core Zen 4: AVX-512 build batch 1 1.09x, batch 4 1.24x, batch 8
+    ~1.0x; AVX2 build 1.46x, 1.41x, 1.20x (docs/weight-formats-log.md, 24th session). The reference
+    paths (kernels off) keep rows, which PyTorch reads as they are. Both layouts hold the same bf16
+    values. One switch, the environment variable QWEN35_BF16_GROUPS: "auto" (unset) as above, "1"
+    groups, "0" rows."""
     value = os.environ.get("QWEN35_BF16_GROUPS", "auto").strip().lower()
     if value not in ("auto", "1", "0"):
         raise ValueError(f"QWEN35_BF16_GROUPS must be auto, 1 or 0, got {value!r}")
@@ -115,8 +116,7 @@ def bf16_groups() -> bool:
         return value == "1"
     from ..kernels import _kernels
 
-    module = _kernels()
-    return module is not None and module.VECTOR_FLOATS >= 16
+    return _kernels() is not None
 
 
 def storage(name: str) -> Format:

@@ -264,7 +264,12 @@ inline bool pairs_path(const Rows& W, int64_t M) {
 // Rows [0, M) of x (2 <= M <= 8) times the bf16 rows [n0, n1) of a BF16_G8 weight (whole groups)
 // -> y[:, n0:n1]. A group is read in passes of RS adjacent rows (RS x 64 contiguous bytes of each
 // 512-byte block), R x RS accumulators, x's R vectors loaded once per RS rows: as many rows a pass
-// as the registers hold (AVX-512 32, AVX2 16). Reading one row of a group per pass (its 64 bytes of
+// as the registers hold (AVX-512 32, AVX2 16). Each pass prefetches its lines of the next group
+// into L2, so that memory streams while the later passes compute on a group already in cache: with
+// the pass's own lines prefetched 4 KiB ahead instead, memory idled through those passes, and whole
+// bench-checkpoint bf16 steps ran 0.85x (AVX2, batch 4) and 0.92x (batch 8) of the rows layout;
+// with the next group's, 1.41x and 1.20x (AVX-512: 1.24x and ~1.0x, where batch 8 takes the panels;
+// docs/weight-formats-log.md, 24th session). Reading one row of a group per pass (its 64 bytes of
 // every 512) ran batch-4 bf16 steps 0.78x of the rows layout.
 template <int R>
 constexpr int group_pass_rows() {
@@ -284,7 +289,7 @@ inline void block_bf16_groups_rows(const float* x, int64_t ldx, const Rows& Wg, 
         for (int s = 0; s < RS; ++s) acc[r][s] = wvec{};
       for (int64_t b = 0; b < K / QK; ++b) {
         const uint8_t* o = g + b * TraitsBF16G8::block_bytes + h * QK * 2;
-        for (int s = 0; s < RS; ++s) prefetch_ahead<R>(o + s * QK * 2, PREFETCH_BYTES);  // the pass's lines
+        for (int s = 0; s < RS; ++s) __builtin_prefetch(o + RG * Wg.stride + s * QK * 2, 0, 2);  // the next group's
         for (int j = 0; j < NB; ++j) {
           wvec xv[R];
           for (int r = 0; r < R; ++r) xv[r] = wload(x + r * ldx + b * QK + j * W);
