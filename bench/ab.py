@@ -15,6 +15,12 @@ taken in turns see the same states, so their ratio keeps what separate runs lose
 `--base-isa` / `--isa` build A / B for that instruction set (QWEN35_CPU_ISA, lm/kernels/build.py):
 `--base-isa avx2` with no edits compares the AVX2 build with this CPU's own.
 
+    python -m bench.ab --bf16-layouts [--checkpoint DIR] [--batches 1,4,8] [--rounds 8] [--isa native|avx2]
+
+compares two weight layouts instead of two builds: the checkpoint loaded twice in bf16, A with its
+matrices in rows (QWEN35_BF16_GROUPS=0), B in groups of 8 rows (=1), whole decode steps of both
+through the current tree's kernels for `--isa`, in turns, at each batch size.
+
 The base must have the DecodePlan binding marked module_local, or be loaded before one that has
 (the base loads first), for two builds to live in one process. A build takes ~90 s on 2 cores the
 first time; both are cached by the hash of their sources (lm/kernels/build.py).
@@ -91,7 +97,12 @@ def main() -> None:
     parser.add_argument("--products", action="store_true", help="the decode products alone (bench.products)")
     parser.add_argument("--base-isa", default="native", choices=ISA_FLAGS, help="instruction set of A's build")
     parser.add_argument("--isa", default="native", choices=ISA_FLAGS, help="instruction set of B's build")
+    parser.add_argument("--bf16-layouts", action="store_true",
+                        help="bf16 rows (A) against bf16 rows in groups of 8 (B), the current tree's kernels")
+    parser.add_argument("--batches", default="1,4,8", help="with --bf16-layouts: the decode batches")
     args = parser.parse_args()
+    if args.bf16_layouts:
+        return bf16_layouts(args)
 
     print(f"building the kernels of {args.base} for {args.base_isa} (A) and of the current tree for {args.isa} (B) ...",
           flush=True)
@@ -147,6 +158,32 @@ def main() -> None:
             print(f"{fmt} decode, batch {args.batch}: A {ra:.1f} tok/s, B {rb:.1f} tok/s, B/A {rb / ra:.3f} "
                   f"(read bandwidth now {probe(3) / 1e9:.0f} GB/s)", flush=True)
             del model
+
+
+def bf16_layouts(args) -> None:
+    """--bf16-layouts: one build, two models of the same checkpoint (bf16 rows, groups of 8 rows)."""
+    import mm
+    from bench.formats import make_checkpoint
+    from bench.limits import ReadBandwidth
+
+    so = build(ROOT, args.isa)
+    module = _import(so.stem, so)
+    kernels._state["module"] = module
+    probe = ReadBandwidth(1.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.checkpoint or make_checkpoint(Path(tmp) / "bench-bf16", 248320)
+        models = []
+        for groups in ("0", "1"):
+            os.environ["QWEN35_BF16_GROUPS"] = groups
+            models.append(mm.load_model(path, weights="bf16"))
+        del os.environ["QWEN35_BF16_GROUPS"]
+        for batch in (int(b) for b in args.batches.split(",")):
+            ids = torch.randint(0, models[0].config.text.vocab_size, (batch, 8), generator=torch.Generator().manual_seed(1))
+            for model in models:
+                decode_rate(model, ids, module, 8)  # warm-up (and the panel copies, from 5 rows)
+            rows, groups = alternate(*models, args.rounds, lambda m: decode_rate(m, ids, module))
+            print(f"bf16 decode, batch {batch}: rows {rows:.1f} tok/s, groups of 8 rows {groups:.1f} tok/s, "
+                  f"groups/rows {groups / rows:.3f} (read bandwidth now {probe(3) / 1e9:.0f} GB/s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def build(weights: str) -> tuple[VLModel, dict]:
     with torch.device("meta"):
         model = VLModel(config)
     shapes = {n: tuple(p.shape) for n, p in model.lm.named_parameters(remove_duplicate=False)}
-    formats = policy.plan(shapes, weights, torch.bfloat16, config.text.tie_word_embeddings)
+    formats = policy.plan(shapes, weights, torch.bfloat16)
     model = allocate(model, formats, "cpu", policy.vision_dtype(weights, torch.bfloat16))
     return model.eval().requires_grad_(False), {f"lm.{n}": f for n, f in formats.items()}
 

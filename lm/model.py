@@ -10,6 +10,7 @@ from .cache import Cache
 from .config import TextConfig
 from .decode import decode_layers, decode_logits
 from .decoder import DecoderLayer
+from .formats import gather_rows
 from .linear import Linear
 from .norm import RMSNorm
 from .rotary import MRotaryEmbedding
@@ -75,7 +76,7 @@ class CausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [B, T, hidden] in the compute dtype (the table may be stored in bf16)."""
-        return self.model.embed_tokens(input_ids).to(self.compute_dtype)
+        return gather_rows(self.model.embed_tokens.weight, input_ids).to(self.compute_dtype)
 
     def forward(
         self,

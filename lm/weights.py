@@ -31,7 +31,7 @@ from .formats import Format
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype codes of the tensors this project reads and writes
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                      "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8}
+                      "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8, "U16": torch.uint16}  # U16: bf16 rows in groups of 8 (weight cache)
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 

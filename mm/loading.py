@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from lm import CheckpointReader, WeightError, load_lm_weights
-from lm.formats import BF16_G8, policy
+from lm.formats import policy
 from lm.hugepages import advise_huge_pages, gather_into_huge_pages
 from lm.kernels import release_openmp_workers
 from lm.malloc import release_large_buffers
@@ -53,8 +53,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     formats = _formats(model, reader, weights, device, dtype)
     vision = policy.vision_dtype(weights, _checkpoint_dtype(reader)) if _compact(device, dtype) else None
     model = allocate(model, formats, device, vision)
-    groups = any(f is BF16_G8 for f in formats.values())  # bf16 rows in groups of 8 (policy.bf16_groups)
-    cache = WeightCache(path, weights, groups) if any(f.blocked for f in formats.values()) else None
+    cache = WeightCache(path, weights) if any(f.blocked for f in formats.values()) else None
     if cache is not None and cache.load_into(model.lm):  # converted at an earlier start
         used = {k for k in reader.keys() if lm_param_name(k) is not None}
     else:
@@ -103,7 +102,7 @@ def _formats(model: VLModel, reader: CheckpointReader, weights: str, device, dty
             raise ValueError(f"weights={weights!r} is for CPU with float32 compute; on {device} in {dtype} the "
                              "weights are stored in the model dtype (use weights='auto')")
         return {}
-    return policy.plan(shapes, weights, _checkpoint_dtype(reader), model.lm.config.tie_word_embeddings)
+    return policy.plan(shapes, weights, _checkpoint_dtype(reader))
 
 
 def _compact(device, dtype: torch.dtype) -> bool:

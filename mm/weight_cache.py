@@ -28,6 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from lm.formats import policy
 from lm.weights import SAFETENSORS_DTYPES
 
 FORMAT_VERSION = 5  # bump when a format's layout or the conversion changes (2: int4 rows in groups of 8, 3: int8's too, 4: the router in bf16, 5: bf16 rows in groups of 8)
@@ -41,11 +42,11 @@ def cache_root() -> Path:
 class WeightCache:
     """The cache entry of one (checkpoint, weights spec)."""
 
-    def __init__(self, checkpoint: Path, weights: str, bf16_groups: bool = False):
+    def __init__(self, checkpoint: Path, weights: str):
         self.checkpoint = checkpoint.resolve()
         files = sorted(p for p in self.checkpoint.iterdir() if p.name.endswith((".safetensors", ".json")))
         described = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
-        layout = ["bf16 rows in groups of 8"] if bf16_groups else []  # the layout of bf16 parts (policy.bf16_groups)
+        layout = ["bf16 rows in groups of 8"] if policy.bf16_groups() else []  # the layout of the bf16 parts
         text = "\n".join([str(self.checkpoint), weights, str(FORMAT_VERSION), *layout, *described])
         self.key = hashlib.sha256(text.encode()).hexdigest()[:16]
         self.origin = hashlib.sha256(str(self.checkpoint).encode()).hexdigest()[:8]  # same checkpoint, any key

@@ -16,9 +16,10 @@ multiple of 8 rows; the policy (policy.py) keeps any other weight in bf16 and sa
 kernels are in use (policy.bf16_groups), bf16 matrices are stored the same way, 8 rows' blocks of
 32 weights interleaved (`group_rows`), as uint16 so that the kernels can tell them from bf16 rows:
 a one-row product then reads one stream and loads x once for 8 rows (lm/kernels/vec.h,
-block_bf16_groups). The embedding table (its rows are gathered), a tied LM head (the same table),
-the router, the vision tower and matrices whose rows are no multiple of 8 (or K of 32) keep bf16
-rows (BF16), as does every bf16 matrix on the reference paths.
+block_bf16_groups); the embedding table's rows are gathered from their groups (`gather_rows`; each
+of a row's blocks of 32 is one cache line, as in rows). The router, the vision tower and matrices
+whose rows are no multiple of 8 (or K of 32) keep bf16 rows (BF16), as does every bf16 matrix on the
+reference paths.
 
 The format of a tensor follows from its dtype and, for uint8, from its row size relative to K, so a
 layer holds its weight as before and never names a format: `to_float(w, k)` gives the float32 matrix
@@ -33,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from . import blocks
 
@@ -100,6 +102,16 @@ INT8 = Format("int8", torch.uint8, blocks.QK, blocks.Q8_0_BYTES, blocks.quantize
 INT4 = Format("int4", torch.uint8, blocks.QK, blocks.Q4_0_BYTES, blocks.quantize_q4_0, blocks.dequantize_q4_0,
               blocks.ROW_GROUP)
 FORMATS: dict[str, Format] = {f.name: f for f in (FP32, BF16, INT8, INT4)}  # "bf16": rows (BF16_G8: policy.plan)
+
+
+def gather_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a float32 or bf16 weight [N, K] (the embedding table), in rows or in groups of 8
+    rows (BF16_G8) -> [*ids.shape, K] in float32, or bf16 for either bf16 layout (exact)."""
+    if w.dtype != torch.uint16:
+        return F.embedding(ids, w)
+    n, k = w.shape
+    groups = w.view(torch.bfloat16).view(n // blocks.ROW_GROUP, k // blocks.QK, blocks.ROW_GROUP, blocks.QK)
+    return groups[ids // blocks.ROW_GROUP, :, ids % blocks.ROW_GROUP].reshape(*ids.shape, k)
 
 
 def format_of(w: torch.Tensor, k: int) -> Format:

@@ -126,14 +126,13 @@ def storage(name: str) -> Format:
 
 
 def plan(shapes: dict[str, tuple[int, ...]], spec: str, checkpoint_dtype: torch.dtype,
-         tied: bool = False, groups: bool | None = None) -> dict[str, Format]:
+         groups: bool | None = None) -> dict[str, Format]:
     """The storage format of every large LM parameter (name -> Format; the rest stay in the compute
     dtype). `shapes` are the parameters' logical shapes; "auto" means bf16 for a bf16 (or fp8)
     checkpoint, else fp32. A block format that does not fit a weight (K % 32, or its rows % 8)
     leaves it in bf16, said once on stderr with the names. With `groups` (default: `bf16_groups()`)
     bf16 is stored with its rows in groups of 8 (BF16_G8) where they fit, in rows (BF16) for the
-    embedding table, the router, a head `tied` to the table and the matrices that do not fit (both
-    layouts are exact)."""
+    router and the matrices that do not fit (both layouts are exact)."""
     groups = bf16_groups() if groups is None else groups
     parts = parse(spec)
     auto = lossless_auto(checkpoint_dtype)
@@ -148,7 +147,7 @@ def plan(shapes: dict[str, tuple[int, ...]], spec: str, checkpoint_dtype: torch.
             unfit.append(name)
             fmt = BF16
         elif fmt is BF16 and groups and BF16_G8.fits(shape[-1], rows):
-            fmt = BF16 if part in _FLOAT_ONLY or (tied and part == "lm_head") else BF16_G8
+            fmt = BF16 if part in ("vision", "router") else BF16_G8  # the table too (gather_rows)
         if fmt is not FP32:
             formats[name] = fmt
     if unfit:

@@ -258,8 +258,10 @@ at::Tensor DecodePlan::run(at::Tensor x, std::vector<at::Tensor> states, at::Ten
 
 void DecodePlan::set_ends(at::Tensor embedding, at::Tensor inv_freq, at::Tensor axis, at::Tensor head) {
   TORCH_CHECK(embedding.dim() == 2 && embedding.is_contiguous() &&
-                  (embedding.scalar_type() == at::kFloat || embedding.scalar_type() == at::kBFloat16),
-              "decode plan: the embedding table must be a contiguous float32 or bfloat16 [vocab, hidden] tensor");
+                  (embedding.scalar_type() == at::kFloat || embedding.scalar_type() == at::kBFloat16 ||
+                   embedding.scalar_type() == at::kUInt16),
+              "decode plan: the embedding table must be a contiguous float32 or bf16 (rows, or rows in groups of 8 as "
+              "uint16) [vocab, hidden] tensor");
   check(inv_freq, "inv_freq");
   TORCH_CHECK(axis.scalar_type() == at::kLong && axis.is_contiguous() && axis.numel() == inv_freq.numel(),
               "decode plan: axis must be int64 with one row index per rotary frequency");
@@ -267,8 +269,6 @@ void DecodePlan::set_ends(at::Tensor embedding, at::Tensor inv_freq, at::Tensor 
   for (int64_t i = 0; i < axis.numel(); ++i) TORCH_CHECK(a[i] >= 0 && a[i] < 3, "decode plan: axis values are 0, 1 or 2");
   TORCH_CHECK(embedding.size(1) == hidden_, "decode plan: the embedding table does not match the layers' hidden size");
   table_ = rows_of(embedding, hidden_, "embedding");
-  TORCH_CHECK(table_.fmt == F32 || table_.fmt == BF16, "decode plan: the embedding table must be float32 or bf16 rows "
-              "(its rows are gathered one by one)");
   head_op_ = {rows_of(head, hidden_, "lm_head"), head.size(0), hidden_};  // a clear error now, not at a step
   embedding_ = embedding, inv_freq_ = inv_freq, axis_ = axis, head_ = head;
 }
@@ -293,7 +293,7 @@ at::Tensor DecodePlan::step(at::Tensor ids, at::Tensor positions, std::vector<at
   const float* inv = inv_freq_.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK_INDEX(ip[b] >= 0 && ip[b] < vocab, "step: token id ", ip[b], " outside the vocabulary of ", vocab);
-    to_float(table_.from(ip[b]), 1, H, xp + b * H);  // float32 or bf16 (exact) rows
+    row_to_float(table_, ip[b], H, xp + b * H);  // float32 or bf16 (exact), rows or rows in groups of 8
     for (int64_t i = 0; i < F; ++i) {  // emb = [freqs, freqs], freqs[i] = float(position of row axis[i]) inv_freq[i]
       const float angle = float(pp[ax[i] * B + b]) * inv[i];
       cp[b * 2 * F + i] = cp[b * 2 * F + F + i] = std::cos(angle);

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import mm
 from lm import kernels
-from lm.formats import BF16, BF16_G8, FP32, INT4, INT8, blocks, format_of, group_rows, policy, to_float
+from lm.formats import BF16, BF16_G8, FP32, INT4, INT8, blocks, format_of, gather_rows, group_rows, policy, to_float
 from tests.conftest import q8_0_round, rel_err
 
 
@@ -95,7 +95,7 @@ def test_products_with_float_activations_equal_dequantized_matmul(kernels_on, fm
 def test_bf16_rows_in_groups_of_8():
     """BF16_G8 holds a bf16 weight's own values (exact), block b of each group of 8 rows being row 0's
     weights 32b..32b+31, then row 1's, ... (the layout lm/kernels/formats.h reads); the policy stores
-    bf16 so where it fits, in rows for the embedding table, the router, a tied head and the rest."""
+    bf16 so where it fits (the embedding table and a head tied to it too), in rows for the router and the rest."""
     w = torch.randn(16, 96, generator=torch.Generator().manual_seed(0))
     q = group_rows(w)
     assert q.dtype == torch.uint16 and q.shape == w.shape and format_of(q, 96) is BF16_G8
@@ -111,16 +111,18 @@ def test_bf16_rows_in_groups_of_8():
               "model.layers.0.mlp.gate.weight": (8, 64), "model.layers.0.mlp.experts.gate_up_proj": (8, 32, 64),
               "model.layers.0.linear_attn.in_proj_qkv.weight": (96, 64),
               "model.layers.0.linear_attn.out_proj.weight": (64, 36)}
-    for tied in (False, True):
-        plan = policy.plan(shapes, "auto", torch.bfloat16, tied, groups=True)
-        assert plan["lm_head.weight"] is (BF16 if tied else BF16_G8)
-        assert plan["model.embed_tokens.weight"] is BF16 and plan["model.layers.0.mlp.gate.weight"] is BF16
-        assert plan["model.layers.0.mlp.experts.gate_up_proj"] is BF16_G8
-        assert plan["model.layers.0.linear_attn.in_proj_qkv.weight"] is BF16_G8
-        assert plan["model.layers.0.linear_attn.out_proj.weight"] is BF16  # K = 36: no whole blocks of 32
-        assert policy.plan(shapes, "int4,deltanet=bf16", torch.bfloat16, tied, groups=True)[
-            "model.layers.0.linear_attn.in_proj_qkv.weight"] is BF16_G8  # a bf16 part under another base
-        assert set(policy.plan(shapes, "auto", torch.bfloat16, tied, groups=False).values()) == {BF16}
+    plan = policy.plan(shapes, "auto", torch.bfloat16, groups=True)
+    assert plan["lm_head.weight"] is plan["model.embed_tokens.weight"] is BF16_G8  # a tied head stays the table
+    assert plan["model.layers.0.mlp.gate.weight"] is BF16
+    assert plan["model.layers.0.mlp.experts.gate_up_proj"] is BF16_G8
+    assert plan["model.layers.0.linear_attn.in_proj_qkv.weight"] is BF16_G8
+    assert plan["model.layers.0.linear_attn.out_proj.weight"] is BF16  # K = 36: no whole blocks of 32
+    assert policy.plan(shapes, "int4,deltanet=bf16", torch.bfloat16, groups=True)[
+        "model.layers.0.linear_attn.in_proj_qkv.weight"] is BF16_G8  # a bf16 part under another base
+    assert set(policy.plan(shapes, "auto", torch.bfloat16, groups=False).values()) == {BF16}
+    table = torch.randn(24, 64, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([[0, 7, 8], [23, 15, 9]])
+    assert torch.equal(gather_rows(group_rows(table), ids), table.bfloat16()[ids])  # the table's rows, gathered
 
 
 def test_bf16_groups_follow_the_kernels_and_the_switch(monkeypatch):
@@ -346,17 +348,19 @@ def _batch(b, seed=0):
 
 
 @pytest.mark.parametrize("groups", ["1", "0"])  # bf16 rows in groups of 8 (the default with the kernels), rows
-@pytest.mark.parametrize("kind", ["moe_text", "dense_vl"])
+@pytest.mark.parametrize("kind", ["moe_text", "dense_vl", "dense_tied"])
 def test_bf16_storage_equals_fp32_on_a_bf16_checkpoint(tmp_path, kind, groups, monkeypatch):
     monkeypatch.setenv("QWEN35_BF16_GROUPS", groups)
-    path = _bf16_checkpoint(tmp_path, kind, shared_expert_intermediate_size=64) if kind.startswith("moe") else \
-        _bf16_checkpoint(tmp_path, kind)
+    extra = {"moe_text": dict(shared_expert_intermediate_size=64), "dense_tied": dict(tie_word_embeddings=True)}
+    path = _bf16_checkpoint(tmp_path, kind.replace("_tied", "_text"), **extra.get(kind, {}))
     monkeypatch.setattr(kernels, "MIN_WEIGHT_ELEMENTS", 0)
     fp32, auto = mm.load_model(path, weights="fp32"), mm.load_model(path)
-    # bf16 in rows, or in rows grouped by 8 (uint16) but for the embedding table and a head tied to it
-    tied, groups = auto.lm.config.tie_word_embeddings, groups == "1"
-    assert auto.lm.lm_head.weight.dtype == (torch.uint16 if groups and not tied else torch.bfloat16)
-    assert auto.lm.model.embed_tokens.weight.dtype == torch.bfloat16 and fp32.lm.lm_head.weight.dtype == torch.float32
+    # bf16 in rows, or in rows grouped by 8 (uint16), the embedding table (gathered in prefill and in the
+    # decode step) and a head tied to it included
+    groups = groups == "1"
+    assert auto.lm.lm_head.weight.dtype == auto.lm.model.embed_tokens.weight.dtype == (torch.uint16 if groups else torch.bfloat16)
+    assert fp32.lm.lm_head.weight.dtype == torch.float32
+    assert (auto.lm.lm_head.weight is auto.lm.model.embed_tokens.weight) == auto.lm.config.tie_word_embeddings
     grouped = [p for n, p in auto.lm.named_parameters() if p.dtype == torch.uint16]
     assert len(grouped) >= 2 * len(auto.lm.model.layers) if groups else not grouped  # every layer's large matrices
     if kind.startswith("moe"):  # the router too: decode (moe_decode) and prefill read it in bf16
@@ -407,7 +411,8 @@ def test_compact_model_equals_its_dequantized_weights_in_fp32(tmp_path, monkeypa
     path = _bf16_checkpoint(tmp_path, kind, **extra)
     monkeypatch.setattr(kernels, "MIN_WEIGHT_ELEMENTS", 0)
     model = mm.load_model(path, weights=weights)
-    assert model.lm.lm_head.weight.dtype == torch.uint8 and model.lm.model.embed_tokens.weight.dtype == torch.bfloat16
+    table = model.lm.model.embed_tokens.weight  # bf16: rows, or rows in groups of 8 with the kernels
+    assert model.lm.lm_head.weight.dtype == torch.uint8 and format_of(table, table.shape[1]).name == "bf16"
     reference = _dequantized_fp32(model, path)
     ids, mask = _batch(batch, seed=batch)
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "0")
@@ -429,8 +434,9 @@ def test_tied_head_in_another_format_gets_its_own_table(tmp_path, monkeypatch):
     path = _bf16_checkpoint(tmp_path, "dense_text", tie_word_embeddings=True)
     model = mm.load_model(path, weights="int8")
     head, table = model.lm.lm_head.weight, model.lm.model.embed_tokens.weight
-    assert head.dtype == torch.uint8 and table.dtype == torch.bfloat16
-    assert torch.equal(to_float(head, table.shape[1]), INT8.dequantize(INT8.quantize(table.float()), table.shape[1]))
+    k = table.shape[1]
+    assert head.dtype == torch.uint8 and format_of(table, k).name == "bf16"  # rows, or rows in groups of 8
+    assert torch.equal(to_float(head, k), INT8.dequantize(INT8.quantize(to_float(table, k)), k))
     auto = mm.load_model(path)
     assert auto.lm.lm_head.weight is auto.lm.model.embed_tokens.weight  # one format: still one tensor
 

@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 
 import mm
 from lm import WeightError
+from lm.formats import format_of
 from tests import tiny
 from tests.conftest import rel_err
 
@@ -86,9 +87,10 @@ def test_tied_embeddings_and_bf16_storage(tmp_path):
     assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
     _logits_match(hf, tmp_path)
     _rewrite(tmp_path, lambda ts: {k: v.to(torch.bfloat16) for k, v in ts.items()})
-    for weights, dtype in (("auto", torch.bfloat16), ("fp32", torch.float32)):  # auto keeps a bf16 checkpoint bf16
+    for weights, fmt in (("auto", "bf16"), ("fp32", "fp32")):  # auto keeps a bf16 checkpoint bf16 (rows, or in groups of 8)
         model = mm.load_model(tmp_path, weights=weights)
-        assert model.lm.lm_head.weight.dtype == dtype and model.lm.compute_dtype == torch.float32
+        head = model.lm.lm_head.weight
+        assert format_of(head, head.shape[-1]).name == fmt and model.lm.compute_dtype == torch.float32
         assert model.lm.lm_head.weight.data_ptr() == model.lm.model.embed_tokens.weight.data_ptr()
 
 
