@@ -391,8 +391,8 @@ inline void group_rows_to_float(const Rows& w, int64_t N, int64_t K, float* out)
 inline void bf16_group_rows_to_float(const Rows& w, int64_t N, int64_t K, float* out) {
   wvec v[NB];
   for (int64_t g = 0; g < N / RG; ++g)
-    for (int r = 0; r < RG; ++r)
-      for (int64_t b = 0; b < K / QK; ++b) {
+    for (int64_t b = 0; b < K / QK; ++b)  // the group read in order, written to its 8 rows
+      for (int r = 0; r < RG; ++r) {
         TraitsBF16G8::load(w.row(g * RG) + r * QK * 2, b, v);
         std::memcpy(out + (g * RG + r) * K + b * QK, v, sizeof(v));
       }
