@@ -67,8 +67,8 @@ def fill_random(model: VLModel, formats: dict) -> None:
             blocks[:, :scales] = scale.repeat(fmt.rows)
         elif p.dim() == 1:
             p.normal_(0, 0.1, generator=g)
-        else:
-            p.normal_(0, 0.6 / p.shape[-1] ** 0.5, generator=g)
+        else:  # bf16 in groups of 8 rows (uint16): random values need no layout
+            (p.view(torch.bfloat16) if p.dtype == torch.uint16 else p).normal_(0, 0.6 / p.shape[-1] ** 0.5, generator=g)
 
 
 def image_grid(model: VLModel, tokens: int) -> torch.Tensor:
