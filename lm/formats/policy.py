@@ -147,7 +147,7 @@ def plan(shapes: dict[str, tuple[int, ...]], spec: str, checkpoint_dtype: torch.
             unfit.append(name)
             fmt = BF16
         elif fmt is BF16 and groups and BF16_G8.fits(shape[-1], rows):
-            fmt = BF16 if part in ("vision", "router") else BF16_G8  # the table too (gather_rows)
+            fmt = BF16 if part == "router" else BF16_G8  # the table too (gather_rows)
         if fmt is not FP32:
             formats[name] = fmt
     if unfit:

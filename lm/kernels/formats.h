@@ -411,18 +411,12 @@ inline void to_float(const Rows& w, int64_t N, int64_t K, float* out) {
 }
 
 // Row n of a float32 or bf16 weight (rows, or BF16_G8's groups of 8 rows) as float32 into out [K]:
-// a gathered row (the embedding table). A grouped row's K / 32 blocks are one cache line each, as
-// many lines as a row of BF16 rows.
+// a gathered row (the embedding table; DecodePlan::set_ends admits no other format). A grouped row's
+// K / 32 blocks are one cache line each, as many lines as a row of BF16 rows.
 inline void row_to_float(const Rows& w, int64_t n, int64_t K, float* out) {
-  TORCH_CHECK(w.fmt == F32 || w.fmt == BF16 || w.fmt == BF16_G8, "a gathered row (the embedding table) must be "
-              "float32 or bf16, rows or rows in groups of 8");
   if (w.fmt != BF16_G8) return to_float(w.from(n), 1, K, out);
   const uint8_t* row = w.row(n - n % RG) + n % RG * QK * 2;  // its group, then its first block's 64 bytes
-  wvec v[NB];
-  for (int64_t b = 0; b < K / QK; ++b) {
-    TraitsBF16G8::load(row, b, v);
-    std::memcpy(out + b * QK, v, sizeof(v));
-  }
+  rows_to_float<TraitsBF16G8>({BF16_G8, row, 0}, 1, K, out);
 }
 
 }  // namespace qwen35
