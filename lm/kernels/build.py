@@ -111,6 +111,12 @@ def is_zen4(family: int, model: int) -> bool:
     return family == 0x19 and not is_zen3(family, model)
 
 
+def on_zen3(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU (or `cpuinfo`'s) is an AMD Zen 3, which has rules of its own: `cflags` and
+    lm.formats.policy.bf16_groups."""
+    return cpu_vendor(cpuinfo) == "AuthenticAMD" and is_zen3(cpu_family(cpuinfo), cpu_model(cpuinfo))
+
+
 def cflags(vendor: str | None = None, family: int | None = None, model: int | None = None) -> list[str]:
     """The compiler flags of the build QWEN35_CPU_ISA asks for, on this CPU (or `vendor`'s / `family`'s
     / `model`'s): Intel CPUs prefetch one-row products in software, others do not; Intel, AMD Zen 3 and

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import mm
 from lm import kernels
+from lm.kernels import build
 from lm.formats import BF16, BF16_G8, FP32, INT4, INT8, blocks, format_of, gather_rows, group_rows, policy, to_float
 from tests.conftest import q8_0_round, rel_err
 
@@ -125,12 +126,13 @@ def test_bf16_rows_in_groups_of_8():
     assert torch.equal(gather_rows(group_rows(table), ids), table.bfloat16()[ids])  # the table's rows, gathered
 
 
-def test_bf16_groups_follow_the_kernels_and_the_switch(monkeypatch):
-    """Groups of 8 rows where the CPU kernels are in use, rows on the reference paths;
-    QWEN35_BF16_GROUPS forces either, and a bad value is an error that names the variable."""
+def test_bf16_groups_follow_the_kernels_the_cpu_and_the_switch(monkeypatch):
+    """Groups of 8 rows where the CPU kernels are in use, except on AMD Zen 3; rows on the reference
+    paths; QWEN35_BF16_GROUPS forces either, and a bad value is an error that names the variable."""
     monkeypatch.delenv("QWEN35_BF16_GROUPS", raising=False)
-    for module, grouped in [(None, False), (object(), True)]:
+    for module, zen3, grouped in [(None, False, False), (object(), False, True), (object(), True, False)]:
         monkeypatch.setattr(kernels, "_kernels", lambda module=module: module)
+        monkeypatch.setattr(build, "on_zen3", lambda zen3=zen3: zen3)
         assert policy.bf16_groups() is grouped
         assert policy.storage("bf16") is (BF16_G8 if grouped else BF16) and policy.storage("int4") is INT4
     for value, grouped in [("1", True), ("0", False)]:

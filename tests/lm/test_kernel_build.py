@@ -56,6 +56,8 @@ def test_the_avx2_build_of_an_avx512_cpu_has_its_own_name_and_flags(monkeypatch)
             "-DQWEN35_BF16_PAIRS=1"]  # formats.h, vec.h
     assert build.cflags("AuthenticAMD", 25, 0x01) == zen3 and build.cflags("AuthenticAMD", 25, 0x21) == zen3
     assert build.cpu_model("model name\t: AMD EPYC\nmodel\t\t: 1\n") == 1 and build.cpu_model("") == 0
+    milan = "vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\n"  # lm.formats.policy.bf16_groups
+    assert build.on_zen3(milan) and not build.on_zen3(milan.replace(": 1\n", ": 17\n")) and not build.on_zen3(CPUINFO)
     assert build.cflags("AuthenticAMD", 26) == [*build.CFLAGS, "-DQWEN35_PREFETCH_L2=2"]  # Zen 5: formats.h
     assert build.cpu_family("cpu family\t: 26\n") == 26 and build.cpu_family("") == 0
     assert build.cflags("GenuineIntel") == [*build.CFLAGS, "-DQWEN35_PREFETCH_ROWS=1"]  # formats.h: prefetch_ahead
