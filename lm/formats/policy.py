@@ -109,9 +109,10 @@ def bf16_groups() -> bool:
     24th session). On a 2-core Zen 3 (AVX2 only), where a core's stream is capped by its misses in
     flight and one-row bf16 products read two rows as two streams (vec.h, block_pairs), groups ran
     0.90-0.93x at batch 1 and 0.88-0.89x at batch 4 (bench checkpoint; dense 0.88x, 0.97x, 1.06x at
-    batch 8; 25th session), so Zen 3 keeps rows. The reference paths (kernels off) keep rows, which
-    PyTorch reads as they are. Both layouts hold the same bf16 values. One switch, the environment
-    variable QWEN35_BF16_GROUPS: "auto" (unset) as above, "1" groups, "0" rows."""
+    batch 8; 25th session), so Zen 3 keeps rows. Intel CPUs and Zen 5 take groups, unmeasured there.
+    The reference paths (kernels off) keep rows, which PyTorch reads as they are. Both layouts hold
+    the same bf16 values. One switch, the environment variable QWEN35_BF16_GROUPS: "auto" (unset) as
+    above, "1" groups, "0" rows."""
     value = os.environ.get("QWEN35_BF16_GROUPS", "auto").strip().lower()
     if value not in ("auto", "1", "0"):
         raise ValueError(f"QWEN35_BF16_GROUPS must be auto, 1 or 0, got {value!r}")
