@@ -33,7 +33,7 @@ import torch
 import mm
 from bench.limits import ReadBandwidth, best_time
 from bench.lm import CONFIG, ExpertCounter, cache_bytes_per_step, probed_run, weight_bytes_per_step
-from lm import SamplingParams, stream_generate
+from lm import SamplingParams, kernels, stream_generate
 
 
 def make_checkpoint(path: Path, vocab: int) -> Path:
@@ -161,6 +161,15 @@ def gguf_into(model, gguf_file: Path) -> None:
     print(f"    {gguf_file.name}: {done} tensors dequantized into the fp32 model")
 
 
+def setup() -> str:
+    """Which kernels the figures are of, and the layout of their bf16 matrices."""
+    from lm.formats import policy
+
+    module = kernels._kernels()
+    build = module.__name__ if module is not None else "off (the reference paths)"
+    return f"kernels {build}; bf16 {'rows in groups of 8' if policy.bf16_groups() else 'rows'}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", type=Path, default=None, help="a bf16 checkpoint (default: make one)")
@@ -214,7 +223,7 @@ def main() -> None:
                     e = accuracy(model, reference)
                     print(f"  llama.cpp {quant} tensors: logits rel err {e[0]:.2e}, greedy agreement {e[1] * 100:.0f}%")
                     del model
-        print(f"\nread bandwidth now {read() / 1e9:.1f} GB/s; {torch.get_num_threads()} threads")
+        print(f"\nread bandwidth now {read() / 1e9:.1f} GB/s; {torch.get_num_threads()} threads; {setup()}")
         base = {b: t for b, (t, _, _, _) in rows[0][1].items()}
         print(f"{'format':8s}" + "".join(f"{'B' + str(b) + ' tok/s':>12s}{'x ' + rows[0][0]:>9s}{'limit':>7s}" for b in base)
               + f"{'pp512':>8s}{'rel err':>10s}{'greedy':>8s}")
