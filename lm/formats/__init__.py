@@ -13,11 +13,11 @@ the same tensors, in registers):
 
 int8 and int4 keep GGUF's blocks with the rows regrouped by 8 (blocks.py), so their weights need a
 multiple of 8 rows; the policy (policy.py) keeps any other weight in bf16 and says so. Where the CPU
-kernels are in use, but on AMD Zen 3 (policy.bf16_groups), bf16 matrices are stored the same way, 8 rows' blocks of
-32 weights interleaved (`group_rows`), as uint16 so that the kernels can tell them from bf16 rows:
-a one-row product then reads one stream and loads x once for 8 rows (lm/kernels/vec.h,
-block_bf16_groups); the embedding table's rows are gathered from their groups (`gather_rows`; each
-of a row's blocks of 32 is one cache line, as in rows). The router, the vision tower and matrices
+kernels are in use, but on AMD Zen 3 (policy.bf16_groups), bf16 matrices are stored the same way, 8
+rows' blocks of 32 weights interleaved (`group_rows`), as uint16 so that the kernels can tell them
+from bf16 rows: a one-row product then reads one stream and loads x once for 8 rows
+(lm/kernels/vec.h, block_bf16_groups); the embedding table's rows are gathered from their groups
+(`gather_rows`; each of a row's blocks of 32 is one cache line, as in rows). The router, the vision tower and matrices
 whose rows are no multiple of 8 (or K of 32) keep bf16 rows (BF16), as does every bf16 matrix on the
 reference paths.
 

@@ -24,6 +24,7 @@ extra flags, so it never replaces the native build.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -53,13 +54,18 @@ BASE_NAME = "qwen35_cpu_kernels"
 BUILD_SECONDS_ON_2_CORES = 265
 
 
+def read_cpuinfo() -> str:
+    """The text of /proc/cpuinfo, or "" where there is none (not Linux)."""
+    try:
+        return Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def cpuinfo_field(keys: tuple[str, ...], cpuinfo: str | None = None) -> str | None:
     """The value of the first line of /proc/cpuinfo (or of `cpuinfo`) whose key is in `keys`, or None."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
-        except OSError:
-            cpuinfo = ""
+        cpuinfo = read_cpuinfo()
     for line in cpuinfo.splitlines():
         key, sep, value = line.partition(":")
         if sep and key.strip() in keys:
@@ -113,8 +119,15 @@ def is_zen4(family: int, model: int) -> bool:
 
 def on_zen3(cpuinfo: str | None = None) -> bool:
     """Whether this CPU (or `cpuinfo`'s) is an AMD Zen 3, which has rules of its own: `cflags` and
-    lm.formats.policy.bf16_groups."""
+    lm.formats.policy.bf16_groups (which asks at every load: /proc/cpuinfo is read once for this)."""
+    if cpuinfo is None:
+        cpuinfo = _this_cpuinfo()
     return cpu_vendor(cpuinfo) == "AuthenticAMD" and is_zen3(cpu_family(cpuinfo), cpu_model(cpuinfo))
+
+
+@functools.cache
+def _this_cpuinfo() -> str:
+    return read_cpuinfo()
 
 
 def cflags(vendor: str | None = None, family: int | None = None, model: int | None = None) -> list[str]:
