@@ -17,9 +17,9 @@ kernels are in use, but on AMD Zen 3 (policy.bf16_groups), bf16 matrices are sto
 rows' blocks of 32 weights interleaved (`group_rows`), as uint16 so that the kernels can tell them
 from bf16 rows: a one-row product then reads one stream and loads x once for 8 rows
 (lm/kernels/vec.h, block_bf16_groups); the embedding table's rows are gathered from their groups
-(`gather_rows`; each of a row's blocks of 32 is one cache line, as in rows). The router, the vision tower and matrices
-whose rows are no multiple of 8 (or K of 32) keep bf16 rows (BF16), as does every bf16 matrix on the
-reference paths.
+(`gather_rows`; each of a row's blocks of 32 is one cache line, as in rows). The router, the vision
+tower and matrices whose rows are no multiple of 8 (or K of 32) keep bf16 rows (BF16), as does every
+bf16 matrix on the reference paths.
 
 The format of a tensor follows from its dtype and, for uint8, from its row size relative to K, so a
 layer holds its weight as before and never names a format: `to_float(w, k)` gives the float32 matrix
