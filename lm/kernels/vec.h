@@ -172,20 +172,21 @@ inline void dot_row_fmt(const float* x, int64_t ldx, const uint8_t* w, int64_t k
   }
 }
 
-// Products of 3-8 rows of x with float32 or bf16 weight rows on AVX2 builds (QWEN35_ROW_PAIRS):
-// two weight rows at a time against up to 6 rows of x, so that each load of x feeds two FMAs.
-// dot_row_fmt loads x once per FMA, and on Zen 3 an FMA whose operand is a load from a working set
-// of more than 4 KiB issues at about one a cycle, half the FMA rate: a hand-written loop of 8 chains
-// of FMAs, each with a load of x, ran 47 G MAC/s on a core with x's rows 128 bytes apart and 11-15
-// with them 4 KiB apart (x's rows of K = 1024 floats); loading each x vector once for two weight
-// rows, 31-33 with 16 KiB of x. Up to 6 rows of x take one pass over a pair (12 accumulators, the
-// pair's 2 vectors and x's in the 16 registers); 7 and 8 rows two passes, 4 rows and the rest, the
-// second reading the pair from cache: its pairs prefetch those of the thread's next task instead of
-// their own (as the grouped bf16 products do), so that memory keeps streaming through it.
-// Measured on Zen 3 (2 cores; docs/weight-formats-log.md, 26th session): one DRAM-cold [8192 x 3584] bf16
-// product, 8 rows, 1.9-2.1x; whole decode steps against dot_row_fmt / dot_row_wide (bench.ab, in turns):
-// bf16 batch 8 1.14x and 1.17x (bench checkpoint), 1.11x (dense); batch 4 1.02x, 1.09x; float32
-// batch 8 0.97x and 1.04x, 1.00x; batch 4 1.00x, 1.07x. AVX-512 builds keep dot_row_fmt and the panels.
+// Products of 3-8 rows of x with float32 or bf16 weight rows on AVX2 builds (QWEN35_ROW_PAIRS): two
+// weight rows at a time against up to 6 rows of x, so that each load of x feeds two FMAs. dot_row_fmt
+// loads x once per FMA, and on Zen 3 an FMA whose operand is a load from a working set of more than 4
+// KiB issues at about one a cycle, half the FMA rate: a hand-written loop of 8 chains of FMAs, each
+// with a load of x, ran 41-48 G MAC/s on a core with x's rows 128 bytes apart and 9-15 with them 4 KiB
+// apart (x's rows of K = 1024 floats), 17-23 sweeping 8-32 KiB of x; loading each x vector once for
+// two weight rows, 25-33 over 16 KiB (bench/x_loads.cpp). Up to 6 rows of x take one pass over a pair
+// (12 accumulators, the pair's 2 vectors and x's in the 16 registers); 7 and 8 rows two passes, 4 rows
+// and the rest, the second reading the pair from cache: its pairs prefetch those of the thread's next
+// task instead of their own (as the grouped bf16 products do), so that memory keeps streaming through
+// it. Measured on Zen 3 (2 cores; docs/weight-formats-log.md, 26th session): one DRAM-cold [8192 x
+// 3584] bf16 product, 8 rows, 1.9-2.1x; whole decode steps against dot_row_fmt / dot_row_wide
+// (bench.ab, in turns): bf16 batch 8 1.14x and 1.17x (bench checkpoint), 1.11x (dense); batch 4 1.02x,
+// 1.09x; float32 batch 8 0.97x and 1.04x, 1.00x; batch 4 1.00x, 1.07x. AVX-512 builds keep dot_row_fmt
+// and the panels.
 #ifndef QWEN35_ROW_PAIRS
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #define QWEN35_ROW_PAIRS 1
