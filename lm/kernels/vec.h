@@ -172,21 +172,24 @@ inline void dot_row_fmt(const float* x, int64_t ldx, const uint8_t* w, int64_t k
   }
 }
 
-// Products of 3-8 rows of x with float32 or bf16 weight rows on AVX2 builds (QWEN35_ROW_PAIRS): two
-// weight rows at a time against up to 6 rows of x, so that each load of x feeds two FMAs. dot_row_fmt
-// loads x once per FMA, and on Zen 3 an FMA whose operand is a load from a working set of more than 4
-// KiB issues at about one a cycle, half the FMA rate: a hand-written loop of 8 chains of FMAs, each
-// with a load of x, ran 41-48 G MAC/s on a core with x's rows 128 bytes apart and 9-15 with them 4 KiB
-// apart (x's rows of K = 1024 floats), 17-23 sweeping 8-32 KiB of x; loading each x vector once for
-// two weight rows, 25-33 over 16 KiB (bench/x_loads.cpp). Up to 6 rows of x take one pass over a pair
-// (12 accumulators, the pair's 2 vectors and x's in the 16 registers); 7 and 8 rows two passes, 4 rows
-// and the rest, the second reading the pair from cache: its pairs prefetch those of the thread's next
-// task instead of their own (as the grouped bf16 products do), so that memory keeps streaming through
-// it. Measured on Zen 3 (2 cores; docs/weight-formats-log.md, 26th session): one DRAM-cold [8192 x
-// 3584] bf16 product, 8 rows, 1.9-2.1x; whole decode steps against dot_row_fmt / dot_row_wide
-// (bench.ab, in turns): bf16 batch 8 1.14x and 1.17x (bench checkpoint), 1.11x (dense); batch 4 1.02x,
-// 1.09x; float32 batch 8 0.97x and 1.04x, 1.00x; batch 4 1.00x, 1.07x. AVX-512 builds keep dot_row_fmt
-// and the panels.
+// Products of 2-8 rows of x with float32 or bf16 weight rows on AVX2 builds (QWEN35_ROW_PAIRS): two
+// weight rows at a time against up to 6 rows of x, so that each load of x feeds two FMAs, the two rows
+// half a task apart, so that each thread reads two streams. dot_row_fmt loads x once per FMA, and on
+// Zen 3 an FMA whose operand is a load from a working set of more than 4 KiB issues at about one a
+// cycle, half the FMA rate: a hand-written loop of 8 chains of FMAs, each with a load of x, ran 41-48
+// G MAC/s on a core with x's rows 128 bytes apart and 9-15 with them 4 KiB apart (x's rows of K = 1024
+// floats), 17-23 sweeping 8-32 KiB of x; loading each x vector once for two weight rows, 25-33 over 16
+// KiB (bench/x_loads.cpp). And a Zen 3 core streams more from two pages at once than from one
+// (block_pairs). Up to 6 rows of x take one pass over a pair (12 accumulators, the pair's 2 vectors
+// and x's in the 16 registers); 7 and 8 rows two passes, 4 rows and the rest, the second reading the
+// pair from cache: its pairs prefetch those of the thread's next task instead of their own (as the
+// grouped bf16 products do), so that memory keeps streaming through it. Measured on Zen 3 (2 cores;
+// docs/weight-formats-log.md, 26th session), whole decode steps in turns (bench.ab): against
+// dot_row_fmt / dot_row_wide, with adjacent rows as pairs and 3-8 rows of x: bf16 batch 8 1.14x and
+// 1.17x (bench checkpoint), 1.11x (dense); batch 4 1.02x, 1.09x; float32 batch 8 0.97x and 1.04x,
+// 1.00x; batch 4 1.00x, 1.07x. Then the pairs half a task apart and 2 rows of x too, against that:
+// batch 2 bf16 1.16x (bench), 1.15x (dense), float32 1.15x, 1.25x; bf16 batch 4 1.06x, batch 8 1.12x
+// (bench). AVX-512 builds keep dot_row_fmt and the panels.
 #ifndef QWEN35_ROW_PAIRS
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #define QWEN35_ROW_PAIRS 1
@@ -200,7 +203,7 @@ inline void dot_row_fmt(const float* x, int64_t ldx, const uint8_t* w, int64_t k
 // blocks [b0, k1 / 32) and K's tail up to k1; the lines `ahead` bytes past each block prefetched.
 template <class T, int XR>
 inline void dot_row_pair(const float* x, int64_t ldx, const uint8_t* wa, const uint8_t* wb, int64_t ahead, int64_t b0,
-                         int64_t k1, float* y, int64_t ldy, bool accumulate) {
+                         int64_t k1, float* y, int64_t ldy, bool accumulate, int64_t dy) {
   wvec a[XR], c[XR];
   for (int r = 0; r < XR; ++r) a[r] = c[r] = wvec{};
   const int64_t b1 = k1 / QK;
@@ -224,25 +227,27 @@ inline void dot_row_pair(const float* x, int64_t ldx, const uint8_t* wa, const u
     float sa = hsum(a[r]), sc = hsum(c[r]);
     for (int64_t k = b1 * QK; k < k1; ++k) sa += x[r * ldx + k] * T::at(wa, k), sc += x[r * ldx + k] * T::at(wb, k);
     y[r * ldy] = accumulate ? y[r * ldy] + sa : sa;
-    y[r * ldy + 1] = accumulate ? y[r * ldy + 1] + sc : sc;
+    y[r * ldy + dy] = accumulate ? y[r * ldy + dy] + sc : sc;
   }
 }
 
-// Rows [0, XR) of x times weight rows [n0, n1) over x's range [k0, k1), in pairs of weight rows.
+// Rows [0, XR) of x times weight rows [n0, n1) over x's range [k0, k1), in pairs of weight rows half
+// the range apart (two streams, as block_pairs reads one-row products), an odd last row paired with
+// itself.
 template <class T, int XR>
 inline void row_pairs_pass(const float* x, int64_t ldx, const Rows& W, int64_t n0, int64_t n1, int64_t k0, int64_t k1,
                            float* y, int64_t ldy, int64_t ahead) {
-  int64_t n = n0;
-  for (; n + 2 <= n1; n += 2)
-    dot_row_pair<T, XR>(x, ldx, W.row(n), W.row(n + 1), ahead, k0 / QK, k1, y + n, ldy, k0 > 0);
-  if (n < n1) {  // an odd last row, paired with itself
+  const int64_t h = (n1 - n0) / 2;
+  for (int64_t n = n0; n < n0 + h; ++n)
+    dot_row_pair<T, XR>(x, ldx, W.row(n), W.row(n + h), ahead, k0 / QK, k1, y + n, ldy, k0 > 0, h);
+  if (const int64_t n = n0 + 2 * h; n < n1) {
     float t[2 * XR];
-    dot_row_pair<T, XR>(x, ldx, W.row(n), W.row(n), 0, k0 / QK, k1, t, 2, false);
+    dot_row_pair<T, XR>(x, ldx, W.row(n), W.row(n), 0, k0 / QK, k1, t, 2, false, 1);
     for (int r = 0; r < XR; ++r) y[r * ldy + n] = k0 > 0 ? y[r * ldy + n] + t[2 * r] : t[2 * r];
   }
 }
 
-// Rows [0, M) of x (3 <= M <= 8) times weight rows [n0, n1) of format T (TraitsF32 or TraitsBF16)
+// Rows [0, M) of x (2 <= M <= 8) times weight rows [n0, n1) of format T (TraitsF32 or TraitsBF16)
 // -> y[:, n0:n1], x in chunks of 1024 inputs (as block_fmt). The first pass over a pair prefetches
 // the next pair; a second pass the pair as far ahead as [n0, n1) is long (the thread's next task).
 template <class T>
@@ -253,10 +258,11 @@ inline void block_row_pairs(const float* x, int64_t M, int64_t ldx, const Rows& 
     const int64_t k1 = std::min(K, k0 + KC);
     for (int64_t g = 0; g < M;) {
       const int64_t rows = M <= 6 ? M : g == 0 ? 4 : M - 4;
-      const int64_t ahead = (g == 0 ? 2 : n1 - n0) * W.stride;
+      const int64_t ahead = (g == 0 ? 1 : n1 - n0) * W.stride;
       const float* xg = x + g * ldx;
       float* yg = y + g * ldy;
       switch (rows) {
+        case 2: row_pairs_pass<T, 2>(xg, ldx, W, n0, n1, k0, k1, yg, ldy, ahead); break;
         case 3: row_pairs_pass<T, 3>(xg, ldx, W, n0, n1, k0, k1, yg, ldy, ahead); break;
         case 4: row_pairs_pass<T, 4>(xg, ldx, W, n0, n1, k0, k1, yg, ldy, ahead); break;
         case 5: row_pairs_pass<T, 5>(xg, ldx, W, n0, n1, k0, k1, yg, ldy, ahead); break;
@@ -270,7 +276,7 @@ inline void block_row_pairs(const float* x, int64_t M, int64_t ldx, const Rows& 
 
 // Whether a product of M rows of x with W takes block_row_pairs.
 inline bool row_pairs_path(const Rows& W, int64_t M) {
-  return QWEN35_ROW_PAIRS && M >= 3 && (W.fmt == F32 || W.fmt == BF16);
+  return QWEN35_ROW_PAIRS && M >= 2 && (W.fmt == F32 || W.fmt == BF16);
 }
 
 // One row of x times two weight rows of format T at once: *ya = x . wa, *yb = x . wb, two chains

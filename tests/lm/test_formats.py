@@ -144,7 +144,7 @@ def test_bf16_groups_follow_the_kernels_the_cpu_and_the_switch(monkeypatch):
 
 
 @pytest.mark.parametrize("k", [200, 1056])
-@pytest.mark.parametrize("rows", [1, 3, 4, 6, 7, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 7, 8])
 def test_bf16_products_of_any_width(kernels_on, k, rows):
     """bf16 products through the kernels: a K % 32 tail (200), and K beyond one chunk of x (1056); an odd
     number of weight rows (7: the one-row kernel of Zen 3 builds takes rows in twos, block_pairs)."""
