@@ -272,12 +272,10 @@ inline void block_row_pairs(const float* x, int64_t M, int64_t ldx, const Rows& 
     }
   }
 }
-#endif
 
 // Whether a product of M rows of x with W takes block_row_pairs.
-inline bool row_pairs_path(const Rows& W, int64_t M) {
-  return QWEN35_ROW_PAIRS && M >= 2 && (W.fmt == F32 || W.fmt == BF16);
-}
+inline bool row_pairs_path(const Rows& W, int64_t M) { return M >= 2 && (W.fmt == F32 || W.fmt == BF16); }
+#endif
 
 // One row of x times two weight rows of format T at once: *ya = x . wa, *yb = x . wb, two chains
 // each. Rows in different pages make two streams, which the hardware prefetchers of Zen 3 follow at
