@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from lm.sampling import INT_MAX, SEED_MAX, SEED_MIN
+
 
 class APIError(Exception):
     """A request that cannot be served; becomes an OpenAI error response with `status`."""
@@ -136,9 +138,9 @@ class VideoKwargs(_Strict):
     """vLLM-style `mm_processor_kwargs`: how to sample the request's videos."""
 
     fps: float | None = Field(default=None, gt=0)
-    num_frames: int | None = Field(default=None, ge=2)
-    min_frames: int | None = Field(default=None, ge=2)
-    max_frames: int | None = Field(default=None, ge=2)
+    num_frames: int | None = Field(default=None, ge=2, le=INT_MAX)
+    min_frames: int | None = Field(default=None, ge=2, le=INT_MAX)
+    max_frames: int | None = Field(default=None, ge=2, le=INT_MAX)
 
 
 class ResponseFormat(_Strict):
@@ -150,18 +152,18 @@ class ChatCompletionRequest(_Strict):
 
     model: str
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT_MAX)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT_MAX)
     min_p: float | None = Field(default=None, ge=0, le=1)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=INT_MAX)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -171,7 +173,7 @@ class ChatCompletionRequest(_Strict):
     mm_processor_kwargs: VideoKwargs | None = None
     include_reasoning: bool | None = True
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None

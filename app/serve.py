@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from lm.scheduler import EngineClosedError
 from mm.processor import PromptTooLongError
 
 from . import serve_response as shape
@@ -78,8 +79,11 @@ def create_app(backend: Backend, config: ServeConfig) -> FastAPI:
         return JSONResponse(APIError(error.status_code, message).body(), status_code=error.status_code)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "running": backend.running, "waiting": backend.waiting}
+    async def health() -> Response:
+        if (error := backend.pipeline.engine_error) is not None:  # no request can be served any more
+            body = {"status": "error", "error": f"the engine stopped: {type(error).__name__}: {error}"}
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "ok", "running": backend.running, "waiting": backend.waiting})
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -274,6 +278,8 @@ def _as_api_error(error: Exception) -> APIError:
         return error
     if isinstance(error, ServerBusy):
         return APIError(503, f"the server is busy: {error}", code="server_busy")
+    if isinstance(error, EngineClosedError):  # the engine thread stopped: nothing can be served now
+        return APIError(503, f"the server cannot generate: {error}", code="engine_stopped")
     if isinstance(error, PromptTooLongError):
         detail = str(error).removeprefix("conversation 0: ")
         return bad_request(f"prompt length limit (--max-model-len): {detail}", "messages", "context_length_exceeded")

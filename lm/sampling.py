@@ -9,6 +9,10 @@ import torch
 from . import kernels
 
 
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
+INT_MAX = (1 << 31) - 1  # the largest token count or top_k any request may name
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token. `temperature=0` is greedy; `top_k=0`, `top_p=1`, `min_p=0` are off.
@@ -44,6 +48,10 @@ class SamplingParams:
             (self.top_k >= 0, "top_k must be >= 0 (0 = off)"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (self.seed is None or (isinstance(self.seed, int) and SEED_MIN <= self.seed <= SEED_MAX),
+             f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed}"),
+            (self.max_new_tokens <= INT_MAX, f"max_new_tokens must be <= {INT_MAX}"),
+            (self.top_k <= INT_MAX, f"top_k must be <= {INT_MAX}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -39,6 +39,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -190,6 +191,7 @@ class Engine:
         self._closed = False
         self._next_id = 0
         self._thread: threading.Thread | None = None
+        self.dead: BaseException | None = None  # why the engine thread stopped, if it ever did
 
     # -- any thread ----------------------------------------------------------------------------
     def submit(self, prompt: Prompt | Sequence[int], params: SamplingParams | None = None, *,
@@ -214,6 +216,8 @@ class Engine:
         if threading.current_thread() is not self._thread:  # this thread's work is done: its OpenMP workers
             kernels.release_openmp_workers()  # would slow the engine thread's (kernels.release_openmp_workers)
         with self._cond:
+            if self.dead is not None:
+                raise EngineClosedError(f"the engine stopped: {type(self.dead).__name__}: {self.dead}")
             if self._closed:
                 raise EngineClosedError("the engine is closed")
             request = Request(self, self._next_id, prompt, params, stop_when, rule)
@@ -234,8 +238,13 @@ class Engine:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
+    @property
+    def alive(self) -> bool:
+        """False once the engine thread has stopped by an error (then `dead` holds it)."""
+        return self.dead is None
+
     def stats(self) -> dict:
-        return dict(self.counters, running=len(self._running), waiting=len(self._waiting) + len(self._inbox),
+        return dict(self.counters, alive=self.alive, running=len(self._running), waiting=len(self._waiting) + len(self._inbox),
                     prefilling=int(self._prefilling is not None), slot_bytes=self.store.nbytes(),
                     slot_max_bytes=self.store.max_bytes(), prefix=self.prefix.stats())  # fmt: skip
 
@@ -245,22 +254,53 @@ class Engine:
 
     # -- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
+        """The engine thread. A fault of one request fails that request (see `_guard`); anything
+        that still escapes a step fails the requests in flight and the loop goes on. Should the
+        thread itself end by an error, `dead` says why and every later `submit` fails at once."""
         torch.set_grad_enabled(False)  # grad mode is per thread
-        while True:
+        try:
+            while self._turn():
+                pass
+        except BaseException as error:  # noqa: BLE001 - recorded for health checks and submit
+            self.dead = error
+            print(f"[qwen35] the engine thread stopped ({type(error).__name__}: {error})", file=sys.stderr)
             with self._cond:
-                while not self._closed and not (self._inbox or self._waiting or self._prefilling or self._running):
-                    self._cond.wait()
-                if self._closed:
-                    self._fail_all(EngineClosedError("the engine was closed"))
-                    return
-                while self._inbox:
-                    self._waiting.append(self._admit_row(self._inbox.popleft()))
-            try:
-                self._step()
-            except Exception as error:  # noqa: BLE001 - a failed step fails its requests, not the engine
-                print(f"[qwen35] engine step failed ({type(error).__name__}: {error}); its requests end with "
-                      "the error", file=sys.stderr)  # fmt: skip
-                self._fail_all(error)
+                self._closed = True
+                self._fail_all(EngineClosedError(f"the engine stopped: {type(error).__name__}: {error}"))
+
+    def _turn(self) -> bool:
+        """One pass of the loop: admit what arrived, run one step. False once closed."""
+        with self._cond:
+            while not self._closed and not (self._inbox or self._waiting or self._prefilling or self._running):
+                self._cond.wait()
+            if self._closed:
+                self._fail_all(EngineClosedError("the engine was closed"))
+                return False
+            while self._inbox:
+                request = self._inbox.popleft()
+                with self._guard(request):
+                    self._waiting.append(self._admit_row(request))
+        try:
+            self._step()
+        except Exception as error:  # noqa: BLE001 - a failed step fails its requests, not the engine
+            print(f"[qwen35] engine step failed ({type(error).__name__}: {error}); its requests end with "
+                  "the error", file=sys.stderr)  # fmt: skip
+            self._fail_all(error)
+        return True
+
+    @contextmanager
+    def _guard(self, request: Request, row: "_Row | None" = None):
+        """Run one request's part of a step; an exception there ends that request with the error
+        (its slot, if any, is freed by the caller) and the engine goes on with the others."""
+        try:
+            yield
+        except Exception as error:  # noqa: BLE001 - one request's fault is that request's
+            print(f"[qwen35] request {request.id} failed ({type(error).__name__}: {error})", file=sys.stderr)
+            if row is not None:
+                row.cache = None
+            if not request.done:
+                self.counters["failed"] += 1
+                request._end(None, error)
 
     def _admit_row(self, request: Request) -> _Row:
         p = request.prompt
@@ -286,7 +326,9 @@ class Engine:
                 if len(group) >= 2:
                     budget -= self._prefill_group(group)
                 else:
-                    self._start_prefill(self._waiting.popleft())
+                    row = self._waiting.popleft()
+                    with self._guard(row.request, row):
+                        self._start_prefill(row)
                 continue
             row = self._prefilling
             try:
@@ -361,17 +403,24 @@ class Engine:
                 continue
             mask[i, width - t :] = 1
             live.append(i)
-        cache = self.lm.make_cache(b, width)
-        logits = self.lm(inputs_embeds=embeds, attention_mask=mask, cache=cache, last_only=True)[:, -1]
+        try:
+            cache = self.lm.make_cache(b, width)
+            logits = self.lm(inputs_embeds=embeds, attention_mask=mask, cache=cache, last_only=True)[:, -1]
+        except Exception as error:  # noqa: BLE001 - the group's requests fail, the engine goes on
+            for i in live:
+                with self._guard(group[i].request, group[i]):
+                    raise error
+            return b * width
         self.counters["prefill_tokens"] += int(mask.sum())
         self.counters["grouped_prefills"] += 1
         for i in live:
             row, t = group[i], len(group[i].key)
-            state = row_state(cache, i, width - t)
-            if self.prefix.max_bytes:
-                self.prefix.insert(row.key, trimmed(state, copy=True), logits[i])
-            row.done, row.logits = t, logits[i]
-            self._begin_decoding(row, state)
+            with self._guard(row.request, row):
+                state = row_state(cache, i, width - t)
+                if self.prefix.max_bytes:
+                    self.prefix.insert(row.key, trimmed(state, copy=True), logits[i])
+                row.done, row.logits = t, logits[i]
+                self._begin_decoding(row, state)
         return b * width
 
     def _prefill(self, row: _Row, budget: int) -> int:
@@ -417,13 +466,20 @@ class Engine:
         tokens, positions = [r.request.tokens[-1] for r in running], [r.next_pos for r in running]
         # the CPU decode plan's step from Python ints (lm/decode.py; each tensor operation here runs
         # cache-cold after a step), once the model's first step on this view has made it; else the model
-        logits = step_tokens(view, tokens, positions, lengths)  # (its states are updated in place)
-        if logits is None:
-            device = self.store.device
-            ids = torch.tensor([[token] for token in tokens], device=device)
-            pos = torch.tensor(positions, device=device)[None, :, None].expand(3, n, 1)
-            logits = self.lm(ids, positions=pos, cache=view)[:, -1]
-            self.store.sync(view, n)
+        try:
+            logits = step_tokens(view, tokens, positions, lengths)  # (its states are updated in place)
+            if logits is None:
+                device = self.store.device
+                ids = torch.tensor([[token] for token in tokens], device=device)
+                pos = torch.tensor(positions, device=device)[None, :, None].expand(3, n, 1)
+                logits = self.lm(ids, positions=pos, cache=view)[:, -1]
+                self.store.sync(view, n)
+        except Exception as error:  # noqa: BLE001 - the rows' states are unknown now: they fail, the rest go on
+            while self._running:
+                row = self._remove(len(self._running) - 1)
+                with self._guard(row.request, row):
+                    raise error
+            return
         self.counters["decode_tokens"] += n
         # every row greedy with no penalty and no rule: one argmax call for all (lm/sampling.py)
         picks = None
@@ -432,10 +488,16 @@ class Engine:
         ended = []
         for i, row in enumerate(running):
             row.next_pos += 1
-            if self._sample(row, logits[i], finish=False, token=None if picks is None else picks[i]) is not None:
+            with self._guard(row.request, row):
+                if self._sample(row, logits[i], finish=False, token=None if picks is None else picks[i]) is not None:
+                    ended.append(i)
+            if row.request.done:  # its sampling failed
                 ended.append(i)
-        for i in reversed(ended):
+        for i in sorted(ended, reverse=True):
             row = self._running[i]
+            if row.request.done:
+                self._remove(i)
+                continue
             if self.snapshot_generations and self.prefix.max_bytes and len(row.request.tokens) >= 2:
                 key = row.key + tuple(row.request.tokens[:-1])
                 self.prefix.insert(key, self.store.save(i), row.logits)

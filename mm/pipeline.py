@@ -112,6 +112,11 @@ class Pipeline:
                 self._engine = Engine(self.model.lm, eos_token_ids=self.model.eos_token_ids(), **options)
             return self._engine
 
+    @property
+    def engine_error(self) -> BaseException | None:
+        """Why the engine thread stopped, if it did (None while it runs or before it is made)."""
+        return None if self._engine is None else self._engine.dead
+
     def submit(self, conversation: Conversation, params: SamplingParams | None = None, *,
                enable_thinking: bool | None = None, template_kwargs: dict[str, Any] | None = None,
                rule=None) -> "Answer":  # fmt: skip

@@ -131,3 +131,33 @@ def test_busy_server_answers_503(small_server):
     fine = httpx.post(f"{url}/v1/chat/completions", timeout=60,
                       json={"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 2
+
+
+def test_an_overflowing_seed_is_a_400_and_generation_goes_on(small_server):
+    url, backend = small_server
+    body = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 1}
+    for seed in (1 << 64, 10**100, -(1 << 63) - 1):
+        reply = httpx.post(f"{url}/v1/chat/completions", json=dict(body, seed=seed), timeout=60)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "seed", reply.text
+    reply = httpx.post(f"{url}/v1/chat/completions", json=dict(body, seed=(1 << 64) - 1), timeout=60)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
+def test_a_stopped_engine_makes_health_503_and_requests_fail_at_once(small_server, monkeypatch):
+    url, backend = small_server
+    engine = backend.pipeline.engine
+
+    def fatal(self):
+        raise SystemExit("the engine loop broke")
+
+    monkeypatch.setattr(type(engine), "_step", fatal)
+    body = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    first = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert first.status_code == 503 and "engine stopped" in first.json()["error"]["message"]
+    health = httpx.get(f"{url}/health")
+    assert health.status_code == 503 and "the engine loop broke" in health.json()["error"]
+    started = time.monotonic()
+    again = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert again.status_code == 503 and again.json()["error"]["code"] == "engine_stopped"
+    assert time.monotonic() - started < 30  # refused at once, not after the queue timeout

@@ -48,6 +48,8 @@ def test_bad_fields_and_types(client):
     _refused(client, 400, "messages.0", "'robot'", messages=[{"role": "robot", "content": "x"}])
     _refused(client, 400, "messages.0.content", messages=[{"role": "user", "content": 5}])
     _refused(client, 400, "n > 1", n=2)
+    assert _refused(client, 400, "seed", seed=1 << 64)["param"] == "seed"
+    assert _refused(client, 400, "top_k", extra_body={"top_k": 1 << 40})["param"] == "top_k"
     assert _create(client, frequency_penalty=0.5).usage.completion_tokens == 3  # taken, not refused
     _refused(client, 400, "enable_thinking", extra_body={"chat_template_kwargs": {"enable_thinking": "no"}})
     _refused(client, 400, "No user query", messages=[{"role": "system", "content": "Only a system turn."}])
