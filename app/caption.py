@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         if not todo:
             return 0
         pipeline = _checked(lambda: load_pipeline(model_path, device=args.device, dtype=args.dtype, weights=args.weights,
-                                                         engine_options=engine_options(args)))
+                                                         engine_options=engine_options(args), compute=args.compute))
         if args.max_new_tokens >= pipeline.max_context:
             raise SystemExit(f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a video in the "
                              f"model's context of {pipeline.max_context} tokens")  # fmt: skip

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from lm.formats.policy import CHOICES as WEIGHTS_CHOICES
+from lm.kernels.compute import CHOICES as COMPUTE_CHOICES
 from lm.kernels.build import prebuild
 from mm import ModelConfig, Pipeline
 from mm.tokenizer_check import check_tokenizer_files
@@ -42,9 +43,10 @@ def check_model(model: str | Path | None) -> Path:
 
 
 def load_pipeline(model: str | Path | None, *, device: str = "cpu", dtype: torch.dtype | str | None = None,
-                  weights: str = "auto", engine_options: dict | None = None) -> Pipeline:
+                  weights: str = "auto", engine_options: dict | None = None, compute: str = "auto") -> Pipeline:
     """`mm.Pipeline` for a checkpoint directory (None: the built-in random-weights model); `weights`
-    the storage format of the large weights (see `mm.load_model`); `engine_options` those of its
+    the storage format of the large weights and `compute` how prefill and the vision tower multiply
+    (see `mm.load_model`); `engine_options` those of its
     serving engine (see `engine_options`). On CPU the C++ kernels are built (first time, announced)
     or loaded first, so no request waits for a build."""
     if isinstance(dtype, str):
@@ -52,7 +54,8 @@ def load_pipeline(model: str | Path | None, *, device: str = "cpu", dtype: torch
     path = resolve_model(model)
     if torch.device(device).type == "cpu":
         prebuild()
-    return Pipeline.from_pretrained(path, device=device, dtype=dtype, weights=weights, engine_options=engine_options)
+    return Pipeline.from_pretrained(path, device=device, dtype=dtype, weights=weights, engine_options=engine_options,
+                                    compute=compute)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -94,6 +97,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default="auto", metavar="FORMAT",
                         help=f"storage of the large weights on CPU: {', '.join(WEIGHTS_CHOICES)}, or per part, e.g. "
                              "'int4,attention=int8' (default auto: a bf16 checkpoint stays bf16, computed in float32)")
+    parser.add_argument("--compute", default="auto", choices=COMPUTE_CHOICES,
+                        help="how prompt prefill and the vision tower multiply: fp32 (exact), bf16, int8 (int8 / int4 "
+                             "weights), auto (default: fp32 for float32 weights, else bf16 on CPUs with AMX tiles, "
+                             "else int8 for int8 / int4 weights)")
     parser.add_argument("--max-batch", type=int, default=8, metavar="N",
                         help="sequences the engine decodes together (its slots; more requests wait) (default: 8)")
     parser.add_argument("--max-len", type=int, default=None, metavar="TOKENS",

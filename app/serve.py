@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,8 +35,10 @@ from .loading import add_model_arguments, engine_options, load_pipeline, resolve
 from .reasoning import prompt_opens_thinking
 from .serve_backend import Backend, Generation, ServerBusy
 from .tool_choice import ToolCallRule
-from .serve_media import MediaPolicy
-from .serve_chat import ChatJob, Limits, build_conversation, sampling_params, template_inputs, tool_note
+from .serve_chat import ChatJob, Limits, MediaRef, build_conversation, media_refs, sampling_params, template_inputs
+from .serve_chat import tool_note
+from .serve_fetch import FetchPolicy
+from .serve_media import MediaPolicy, media_bytes
 
 log = logging.getLogger("app.serve")
 
@@ -72,6 +76,8 @@ def create_app(backend: Backend, config: ServeConfig) -> FastAPI:
     """The FastAPI app serving `backend` under `config`."""
     app = FastAPI(title="qwen35-vl", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.backend, app.state.config = backend, config
+    # media fetches run in their own bounded pool, never in the one that prepares requests
+    fetch_pool = ThreadPoolExecutor(config.limits.media.fetch_workers, thread_name_prefix="media-fetch")
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -99,7 +105,7 @@ def create_app(backend: Backend, config: ServeConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         record = _Record(f"chatcmpl-{uuid.uuid4().hex}")
         try:
-            return await _chat(request, backend, config, record)
+            return await _chat(request, backend, config, record, fetch_pool)
         except Exception as error:  # noqa: BLE001 - every failure becomes an OpenAI error response
             api_error = _as_api_error(error)
             record.status, record.finish = api_error.status, "error"
@@ -109,7 +115,8 @@ def create_app(backend: Backend, config: ServeConfig) -> FastAPI:
     return app
 
 
-async def _chat(request: Request, backend: Backend, config: ServeConfig, record: _Record) -> Response:
+async def _chat(request: Request, backend: Backend, config: ServeConfig, record: _Record,
+                fetch_pool: ThreadPoolExecutor) -> Response:  # fmt: skip
     _check_key(request, config.api_key)
     body = await _read_body(request, config.limits.max_request_bytes)
     chat = parse_request(body)
@@ -118,7 +125,9 @@ async def _chat(request: Request, backend: Backend, config: ServeConfig, record:
                        param="model", code="model_not_found")  # fmt: skip
     if chat.stream_options is not None and chat.stream_options.continuous_usage_stats:
         raise bad_request("stream_options.continuous_usage_stats is not supported", "stream_options")
-    job, in_thinking = await asyncio.to_thread(_prepare, chat, backend, config.limits)
+    refs = media_refs(chat, config.limits)
+    media = await _fetch_media(refs, backend, config.limits.media, fetch_pool) if refs else {}
+    job, in_thinking = await asyncio.to_thread(_prepare, chat, backend, config.limits, media)
     answer = shape.AnswerStream(in_thinking=in_thinking, tools=job.tools, include_reasoning=job.include_reasoning)
     generation = backend.start(job)
     watcher = asyncio.create_task(_watch_disconnect(request, generation))
@@ -150,11 +159,27 @@ async def _chat(request: Request, backend: Backend, config: ServeConfig, record:
         generation.cancel()
 
 
-def _prepare(chat: ChatCompletionRequest, backend: Backend, limits: Limits) -> tuple[ChatJob, bool]:
-    """The job of a request (fetches its media: run in a thread) and whether its prompt opens thinking."""
+async def _fetch_media(refs: list[MediaRef], backend: Backend, policy: MediaPolicy,
+                       pool: ThreadPoolExecutor) -> dict[str, bytes]:  # fmt: skip
+    """The bytes of each of `refs`, fetched at once in `pool`; meanwhile the request counts as waiting."""
+    loop = asyncio.get_running_loop()
+    with backend.waiting_turn():
+        futures = [loop.run_in_executor(pool, media_bytes, ref.url, policy, ref.where) for ref in refs]
+        try:
+            data = await asyncio.gather(*futures)
+        except BaseException:
+            for future in futures:  # those not started yet never start
+                future.cancel()
+            raise
+    return {ref.where: item for ref, item in zip(refs, data)}
+
+
+def _prepare(chat: ChatCompletionRequest, backend: Backend, limits: Limits,
+             media: dict[str, bytes]) -> tuple[ChatJob, bool]:  # fmt: skip
+    """The job of a request (run in a thread) and whether its prompt opens thinking."""
     params = sampling_params(chat, backend.default_params(), backend.max_context, limits)
     thinking, kwargs, tools = template_inputs(chat)
-    conversation = build_conversation(chat, limits, tool_note(chat))
+    conversation = build_conversation(chat, limits, tool_note(chat), media)
     job = ChatJob(conversation, params, thinking, kwargs, tools, include_reasoning=chat.include_reasoning is not False,
                   added_messages=len(conversation) - len(chat.messages))  # fmt: skip
     try:
@@ -308,10 +333,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="context limit in tokens, prompt + max_tokens (default: the model's)")
     parser.add_argument("--allowed-local-media-path", type=Path, default=None, metavar="DIR",
                         help="serve file:// URLs and local paths under DIR (default: none)")
+    _add_media_arguments(parser)
     defaults, media = Limits(), Limits().media
     for flag, value, what in (
         ("--max-request-bytes", defaults.max_request_bytes, "request body size limit"),
         ("--max-media-bytes", media.max_bytes, "size limit of one image or video"),
+        ("--max-media-pixels", media.max_pixels, "pixel budget of one image, or of one video's sampled frames "
+                                                 "together: larger ones are scaled down while decoding"),
+        ("--media-fetch-workers", media.fetch_workers, "http(s) media fetches running at once"),
         ("--max-images", defaults.max_images, "images per request"),
         ("--max-videos", defaults.max_videos, "videos per request"),
         ("--max-video-frames", defaults.max_video_frames, "frames per video (also the default sampling cap)"),
@@ -320,25 +349,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ("--max-waiting", 256, "requests waiting for their turn; more get a 503"),
     ):  # fmt: skip
         parser.add_argument(flag, type=int, default=value, help=f"{what} (default: {value})")
-    parser.add_argument("--media-fetch-timeout", type=float, default=media.fetch_timeout,
-                        help=f"seconds to download one http(s) image or video (default: {media.fetch_timeout:g})")
+    parser.add_argument("--media-fetch-timeout", type=float, default=media.remote.timeout,
+                        help=f"seconds for the whole fetch of one http(s) image or video, redirects included "
+                             f"(default: {media.remote.timeout:g})")
     parser.add_argument("--queue-timeout", type=float, default=600.0,
                         help="seconds a request may wait for its turn before a 503 (default: 600)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser.parse_args(argv)
 
 
+def _add_media_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--allow-remote-media", action=argparse.BooleanOptionalAction, default=None,
+                        help="fetch http(s) media URLs from any host (default: yes when --host is a loopback "
+                             "address, no otherwise)")  # fmt: skip
+    parser.add_argument("--allowed-media-hosts", default=None, metavar="HOST[,HOST...]",
+                        help="fetch http(s) media only from these host names (default: none)")
+    parser.add_argument("--allow-private-media", action="store_true",
+                        help="also fetch from private, loopback and link-local addresses (default: refused, "
+                             "checked after DNS resolution and on every redirect)")  # fmt: skip
+
+
+def fetch_policy(args: argparse.Namespace) -> FetchPolicy:
+    """Which media URLs the server fetches: remote media by default only when it listens on loopback."""
+    hosts = None
+    if args.allowed_media_hosts is not None:
+        hosts = frozenset(h.strip().lower() for h in args.allowed_media_hosts.split(",") if h.strip())
+    remote = args.allow_remote_media if args.allow_remote_media is not None else _is_loopback(args.host)
+    return FetchPolicy(allow_remote=remote, allowed_hosts=hosts, allow_private=args.allow_private_media,
+                       timeout=args.media_fetch_timeout)  # fmt: skip
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
 def build_server(args: argparse.Namespace) -> tuple[FastAPI, Backend]:
     """Load the model named by `args` and make the app (no serving yet)."""
     path = resolve_model(args.model)  # prints the random-weights notice when no --model
-    load_args = dict(device=args.device, dtype=args.dtype, weights=args.weights, engine_options=engine_options(args))
+    load_args = dict(device=args.device, dtype=args.dtype, weights=args.weights, engine_options=engine_options(args),
+                     compute=args.compute)
     pipeline = load_pipeline(path, **load_args)
     if args.max_model_len is not None:
         if args.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2")
         pipeline.max_context = min(pipeline.max_context, args.max_model_len)
-    media = MediaPolicy(max_bytes=args.max_media_bytes, fetch_timeout=args.media_fetch_timeout,
-                        allowed_local=args.allowed_local_media_path)  # fmt: skip
+    media = MediaPolicy(max_bytes=args.max_media_bytes, remote=fetch_policy(args),
+                        allowed_local=args.allowed_local_media_path, max_pixels=args.max_media_pixels,
+                        fetch_workers=args.media_fetch_workers)  # fmt: skip
     limits = Limits(max_request_bytes=args.max_request_bytes, max_images=args.max_images, max_videos=args.max_videos,
                     max_video_frames=args.max_video_frames, default_max_tokens=args.default_max_tokens,
                     media=media)  # fmt: skip

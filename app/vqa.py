@@ -23,7 +23,7 @@ from mm import Output, Pipeline
 from .loading import load_pipeline
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-ITEM_KEYS = frozenset({"question", "image", "images", "video", "videos", "fps", "max_frames"})
+ITEM_KEYS = frozenset({"question", "image", "images", "video", "videos", "fps", "max_frames", "max_pixels"})
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,8 @@ class VQA:
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None,
-                 preset: str | None = None, weights: str = "auto"):  # fmt: skip
-        self.pipeline = load_pipeline(model, device=device, dtype=dtype, weights=weights)
+                 preset: str | None = None, weights: str = "auto", compute: str = "auto"):  # fmt: skip
+        self.pipeline = load_pipeline(model, device=device, dtype=dtype, weights=weights, compute=compute)
         self.preset = preset
         self.pipeline.default_params(preset)  # refuse an unknown preset now
 
@@ -80,38 +80,41 @@ class VQA:
 
     def ask(self, question: str, image: Any = None, images: Sequence[Any] | None = None, video: Any = None, *,
             videos: Sequence[Any] | None = None, fps: float | None = None, max_frames: int | None = None,
-            enable_thinking: bool | None = None, **sampling: Any) -> Answer:  # fmt: skip
+            max_pixels: int | None = None, enable_thinking: bool | None = None, **sampling: Any) -> Answer:  # fmt: skip
         """Answer one question about optional images and videos (paths, PIL images, arrays; videos also
         frame lists or `preprocess.VideoClip`). fps / max_frames: how to sample video files.
-        enable_thinking: None follows the chat template (Qwen3.5: thinking on)."""
+        max_pixels: the pixel budget of each image file and of each video file's frames (None: the
+        default of `preprocess.load_image` / `sample_video`). enable_thinking: None follows the chat
+        template (Qwen3.5: thinking on)."""
         conversation = build_conversation(question, image=image, images=images, video=video, videos=videos, fps=fps,
-                                          max_frames=max_frames)  # fmt: skip
+                                          max_frames=max_frames, max_pixels=max_pixels)  # fmt: skip
         start = time.perf_counter()
         [output] = self.pipeline.generate([conversation], self.params(**sampling), enable_thinking=enable_thinking)
         return Answer.from_output(output, time.perf_counter() - start)
 
     def stream(self, question: str, image: Any = None, images: Sequence[Any] | None = None, video: Any = None, *,
                videos: Sequence[Any] | None = None, fps: float | None = None, max_frames: int | None = None,
-               enable_thinking: bool | None = None, **sampling: Any) -> Iterator[str]:  # fmt: skip
+               max_pixels: int | None = None, enable_thinking: bool | None = None,
+               **sampling: Any) -> Iterator[str]:  # fmt: skip
         """Text pieces of the answer as they are generated: in thinking mode the thinking comes first,
         then `</think>`, then the answer (split them with `mm.split_thinking`). Arguments as in `ask`."""
         conversation = build_conversation(question, image=image, images=images, video=video, videos=videos, fps=fps,
-                                          max_frames=max_frames)  # fmt: skip
+                                          max_frames=max_frames, max_pixels=max_pixels)  # fmt: skip
         yield from self.pipeline.stream(conversation, self.params(**sampling), enable_thinking=enable_thinking)
 
     def ask_many(self, items: Sequence[str | Mapping[str, Any]], *, fps: float | None = None,
-                 max_frames: int | None = None, enable_thinking: bool | None = None,
+                 max_frames: int | None = None, max_pixels: int | None = None, enable_thinking: bool | None = None,
                  **sampling: Any) -> list[Answer]:  # fmt: skip
         """Answer several questions, in order. All go to the serving engine at once: it decodes as
         many together as it has slots and starts the next as soon as one ends.
 
         Each item is a question string, or a dict with "question" and optionally "image", "images",
-        "video", "videos", "fps", "max_frames" (as the arguments of `ask`; an item's fps / max_frames
+        "video", "videos", "fps", "max_frames", "max_pixels" (as the arguments of `ask`; an item's
         win over the call's). Sampling options and enable_thinking apply to every item.
         """
         if isinstance(items, (str, Mapping)) or not items:
             raise ValueError("ask_many takes a non-empty list of questions (strings or dicts)")
-        conversations = [_item_conversation(item, i, fps, max_frames) for i, item in enumerate(items)]
+        conversations = [_item_conversation(item, i, fps, max_frames, max_pixels) for i, item in enumerate(items)]
         start = time.perf_counter()
         outputs = self.pipeline.generate(conversations, self.params(**sampling), enable_thinking=enable_thinking)
         seconds = time.perf_counter() - start
@@ -120,14 +123,17 @@ class VQA:
 
 def build_conversation(question: str, *, image: Any = None, images: Sequence[Any] | None = None, video: Any = None,
                        videos: Sequence[Any] | None = None, fps: float | None = None,
-                       max_frames: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+                       max_frames: int | None = None,
+                       max_pixels: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """A one-message conversation: the images, then the videos, then the question."""
     if not isinstance(question, str):
         raise TypeError(f"the question must be a string, got {type(question).__name__}")
     pictures = _media_list(image, images, "image")
     clips = _media_list(video, videos, "video")
-    parts: list[dict[str, Any]] = [{"type": "image", "image": picture} for picture in pictures]
+    budget = {} if max_pixels is None else {"max_pixels": max_pixels}
+    parts: list[dict[str, Any]] = [{"type": "image", "image": picture, **budget} for picture in pictures]
     options = {key: value for key, value in (("fps", fps), ("max_frames", max_frames)) if value is not None}
+    options.update(budget)
     parts += [{"type": "video", "video": clip, **options} for clip in clips]
     parts.append({"type": "text", "text": question})
     return [{"role": "user", "content": parts}]
@@ -139,8 +145,8 @@ def _media_list(one: Any, many: Sequence[Any] | None, name: str) -> list[Any]:
     return ([] if one is None else [one]) + list(many or [])
 
 
-def _item_conversation(item: str | Mapping[str, Any], index: int, fps: float | None,
-                       max_frames: int | None) -> list[dict[str, Any]]:  # fmt: skip
+def _item_conversation(item: str | Mapping[str, Any], index: int, fps: float | None, max_frames: int | None,
+                       max_pixels: int | None) -> list[dict[str, Any]]:  # fmt: skip
     if isinstance(item, str):
         return build_conversation(item)
     if not isinstance(item, Mapping) or "question" not in item:
@@ -148,6 +154,7 @@ def _item_conversation(item: str | Mapping[str, Any], index: int, fps: float | N
     unknown = sorted(set(item) - ITEM_KEYS)
     if unknown:
         raise ValueError(f"item {index}: unknown key(s) {unknown}; allowed: {sorted(ITEM_KEYS)}")
-    options = {"fps": item.get("fps", fps), "max_frames": item.get("max_frames", max_frames)}
+    options = {"fps": item.get("fps", fps), "max_frames": item.get("max_frames", max_frames),
+               "max_pixels": item.get("max_pixels", max_pixels)}
     return build_conversation(item["question"], image=item.get("image"), images=item.get("images"),
                               video=item.get("video"), videos=item.get("videos"), **options)  # fmt: skip

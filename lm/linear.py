@@ -7,5 +7,7 @@ from . import kernels
 
 
 class Linear(nn.Linear):
+    compute: str | None = None  # prefill products' compute format (lm/kernels/compute.py); set at load
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias, self.compute)

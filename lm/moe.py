@@ -28,6 +28,8 @@ class Experts(nn.Module):
     each expert that received tokens to float32.
     """
 
+    compute: str | None = None  # prefill's compute format (lm/kernels/compute.py); set at load
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, grouped: bool = True):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
@@ -42,7 +44,8 @@ class Experts(nn.Module):
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
         rows = order // top_k  # the token of each selection
         if self.grouped and x.device.type == "cpu" and int(counts.max()) > kernels.MAX_ROWS:
-            fused = kernels.expert_mlp(x, self.gate_up_proj, self.down_proj, counts, rows, weights.reshape(-1)[order])
+            fused = kernels.expert_mlp(x, self.gate_up_proj, self.down_proj, counts, rows, weights.reshape(-1)[order],
+                                       self.compute)
             if fused is not None:  # prefill, float32: gather, experts and weighted sum in one call
                 return fused
         xs = x[rows]  # [N*K, H], grouped by expert

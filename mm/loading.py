@@ -11,6 +11,10 @@ from lm import CheckpointReader, WeightError, load_lm_weights
 from lm.formats import policy
 from lm.hugepages import advise_huge_pages, gather_into_huge_pages
 from lm.kernels import release_openmp_workers
+from lm.kernels.compute import check as check_compute
+from lm.kernels.compute import cpu_flags, say_once
+from lm.linear import Linear
+from lm.moe import Experts
 from lm.malloc import release_large_buffers
 from lm.weights import heads_tied, lm_param_name, use_formats
 from vision import load_vision_weights
@@ -28,7 +32,7 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               weights: str = "auto") -> VLModel:
+               weights: str = "auto", compute: str = "auto") -> VLModel:
     """Load `config.json` and the safetensors weights (single file or shards) of a Qwen3.5 checkpoint.
 
     Tensors are streamed one at a time into a model allocated once on `device`, each converted to
@@ -40,7 +44,11 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     checkpoints (Qwen's block-wise e4m3) are dequantized on reading; other quantization methods
     are refused by name. Weights converted to int8 / int4 are cached on disk (mm/weight_cache.py),
     so that the next start of the same checkpoint and spec reads them instead of converting.
+    `compute` ("auto", "fp32", "bf16", "int8"; lm/kernels/compute.py) is how prefill products and
+    the vision tower multiply: "fp32" is the exact path; "auto" keeps float32 weights exact and
+    gives the others bf16 where the CPU has AMX tiles.
     """
+    set_compute(model_compute := compute, None)  # a bad value fails before anything is read
     path = Path(path)
     raw = read_config_json(path)
     config = ModelConfig.from_hf(raw)
@@ -69,9 +77,39 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     if unexpected:
         shown = ", ".join(unexpected[:8]) + (f" (and {len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
         raise WeightError(f"checkpoint has {len(unexpected)} tensor(s) this model does not use: {shown}")
+    set_compute(model_compute, model)
     model.generation_config = _generation_config(path)
     release_openmp_workers()  # generation may run on another thread (lm.kernels.release_openmp_workers)
     return model.eval().requires_grad_(False)
+
+
+def set_compute(compute: str, model: VLModel | None) -> None:
+    """Give the model's prefill products and vision tower the compute format `compute` (checked;
+    lm/kernels/compute.py): each LM `Linear` and `Experts` holds it, the tower resolves it."""
+    check_compute(compute)
+    if model is None:
+        return
+    for module in model.lm.modules():
+        if isinstance(module, (Linear, Experts)):
+            module.compute = compute
+    if model.visual is not None:
+        model.visual.compute = vision_compute(compute, model.visual)
+
+
+def vision_compute(compute: str, visual) -> str:
+    """The vision tower's compute format for the load's `compute`: fp32 or bf16 (torch's bf16 GEMMs;
+    "int8" takes bf16 there). "auto": bf16 when the tower's matrices are stored in bf16 and the CPU
+    multiplies bf16 natively (AVX512-BF16 or AMX-BF16), else fp32."""
+    native = bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    if compute == "auto":
+        return "bf16" if native and visual.blocks[0].mlp.linear_fc1.weight.dtype == torch.bfloat16 else "fp32"
+    if compute == "int8":
+        say_once("vision-int8", "compute='int8': the vision tower has no int8 products; it computes in bf16")
+        compute = "bf16"
+    if compute == "bf16" and not native:
+        say_once("vision-bf16-emulated", "compute='bf16' on a CPU without AVX512-BF16 or AMX-BF16: the vision "
+                 "tower's bf16 products run emulated by torch, slower than float32")  # fmt: skip
+    return compute
 
 
 def allocate(model: VLModel, formats: dict, device: str | torch.device,

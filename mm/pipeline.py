@@ -65,12 +65,14 @@ class Pipeline:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None,
-                        weights: str = "auto", engine_options: dict[str, Any] | None = None) -> "Pipeline":
+                        weights: str = "auto", engine_options: dict[str, Any] | None = None,
+                        compute: str = "auto") -> "Pipeline":
         """The pipeline of a checkpoint directory; `weights` the storage format of the large weights
-        (see `mm.load_model`). The processor loads first, so that a checkpoint without its
+        (see `mm.load_model`), `compute` how prefill and the vision tower multiply (the same). The
+        processor loads first, so that a checkpoint without its
         tokenizer files fails before its weights are read."""
         processor = Processor.from_pretrained(path)
-        model = load_model(path, device=device, dtype=dtype, weights=weights)
+        model = load_model(path, device=device, dtype=dtype, weights=weights, compute=compute)
         try:
             return cls(model, processor, engine_options=engine_options)
         except TokenizerMismatchError as error:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import Segments, segment_attention
-from .linear import used
+from .linear import product, used
 from .rotary import apply_rotary
 
 
@@ -51,22 +51,36 @@ def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torc
 
 
 def fast_block(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               segments: Segments, ws: Workspace) -> torch.Tensor:
-    """`VisionBlock` forward updating `x [N, C]` in place; scratch from `ws`. Returns x."""
+               segments: Segments, ws: Workspace, compute: str = "fp32") -> torch.Tensor:
+    """`VisionBlock` forward updating `x [N, C]` in place; scratch from `ws`; the products in
+    `compute` (vision/linear.py: "fp32", or "bf16"). Returns x."""
     attn, mlp = block.attn, block.mlp
     n, c = x.shape
     heads, head_dim = attn.num_heads, attn.head_dim
     h = F.layer_norm(x, (c,), block.norm1.weight, block.norm1.bias, block.norm1.eps)
-    qkv = torch.addmm(attn.qkv.bias, h, used(attn.qkv.weight, x).t(), out=ws.get("qkv", (n, 3 * c)))
-    qkv = qkv.view(n, 3, heads, head_dim)  # [N, 3, H, D]
+    qkv = _affine(h, attn.qkv, compute, ws.get("qkv", (n, 3 * c))).view(n, 3, heads, head_dim)  # [N, 3, H, D]
     if qkv.dtype == torch.float32:
         qk = rotate_into(qkv[:, :2], cos, sin, ws.get("qk", (n, 2, heads, head_dim)))  # [N, 2, H, D]
     else:  # the reference rotates in float32 and rounds back
         qk = apply_rotary(qkv[:, :2], cos, sin)
     o = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], segments)  # [N, C]
-    x.addmm_(o, used(attn.proj.weight, x).t()).add_(attn.proj.bias)
+    _add_affine(x, o, attn.proj, compute)
     h = F.layer_norm(x, (c,), block.norm2.weight, block.norm2.bias, block.norm2.eps)
     fc1 = mlp.linear_fc1
-    f = torch.addmm(fc1.bias, h, used(fc1.weight, x).t(), out=ws.get("fc1", (n, fc1.out_features)))  # [N, I]
+    f = _affine(h, fc1, compute, ws.get("fc1", (n, fc1.out_features)))  # [N, I]
     torch.ops.aten.gelu_(f, approximate="tanh")
-    return x.addmm_(f, used(mlp.linear_fc2.weight, x).t()).add_(mlp.linear_fc2.bias)
+    return _add_affine(x, f, mlp.linear_fc2, compute)
+
+
+def _affine(h: torch.Tensor, linear: torch.nn.Linear, compute: str, out: torch.Tensor) -> torch.Tensor:
+    """linear(h) into `out` (float32: one addmm; bf16 compute: the bf16 product plus the bias)."""
+    if compute == "bf16" and h.dtype == torch.float32:
+        return torch.add(product(h, linear.weight, compute), linear.bias, out=out)
+    return torch.addmm(linear.bias, h, used(linear.weight, h).t(), out=out)
+
+
+def _add_affine(x: torch.Tensor, a: torch.Tensor, linear: torch.nn.Linear, compute: str) -> torch.Tensor:
+    """x += linear(a), in place."""
+    if compute == "bf16" and x.dtype == torch.float32:
+        return x.add_(product(a, linear.weight, compute)).add_(linear.bias)
+    return x.addmm_(a, used(linear.weight, x).t()).add_(linear.bias)

@@ -1,6 +1,10 @@
 """The tower's matrices may be stored narrower than it computes (bf16 storage, float32 compute):
 each is converted right where it is used, one at a time. bf16 -> fp32 is exact, so the outputs
-equal those of a float32 tower holding the same (bf16) weights."""
+equal those of a float32 tower holding the same (bf16) weights.
+
+With the "bf16" compute format (`VisionModel.compute`, chosen at load) the products take bf16
+inputs and weights with float32 sums (torch's bf16 GEMM: oneDNN, AMX or AVX512-BF16 where the CPU
+has them) and give float32 outputs; the residual stream, norms and attention stay float32."""
 
 from __future__ import annotations
 
@@ -19,3 +23,11 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, used(self.weight, x), self.bias)
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, compute: str) -> torch.Tensor:
+    """x [N, K] times weight [M, K]^T -> [N, M] in x's dtype; in bf16 (rounded inputs and weights,
+    float32 sums) when `compute` is "bf16" and x is float32."""
+    if compute == "bf16" and x.dtype == torch.float32:
+        return F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16)).float()
+    return F.linear(x, used(weight, x))

@@ -84,6 +84,7 @@ class VisionModel(nn.Module):
         super().__init__()
         self.config = config
         self.fast = fast
+        self.compute = "fp32"  # the blocks' products: "fp32" or "bf16" (vision/linear.py); set at load
         self.patch_embed = PatchEmbed(config)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
@@ -118,7 +119,7 @@ class VisionModel(nn.Module):
         if self.fast:
             ws = Workspace(x.device, x.dtype)
             for block in self.blocks:
-                x = fast_block(block, x, cos, sin, segments, ws)
+                x = fast_block(block, x, cos, sin, segments, ws, self.compute)
         else:
             for block in self.blocks:
                 x = block(x, cos, sin, segments)

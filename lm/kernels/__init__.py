@@ -35,6 +35,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from .compute import pick, say_once
+
 MAX_ROWS = 8  # decode batches; larger products go to MKL's GEMM, which is efficient there
 MIN_WEIGHT_ELEMENTS = 1 << 16  # smaller weights stay in cache: no bandwidth to win, only call overhead
 MOE_PIECES = 1  # moe_decode's parallel pieces per expert gate/up and per down (1 measured best at 2 threads)
@@ -147,17 +149,22 @@ def panels(weight: torch.Tensor) -> torch.Tensor:
     return copy
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           compute: str | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a weight in any format (lm/formats), through the small-batch
     kernel when it applies; decode rows (one token each, x [B, 1, K]) from `panel_rows()` on
-    through the weight's panel copy. A Q8_0 / Q4_0 weight with more rows (prefill) takes the int8
-    dot products (int8_linear) while int8 activations are on; another compact weight with more
-    rows, or any without the kernels, is converted to float32 for this call."""
+    through the weight's panel copy. More rows (prefill) compute as `compute` picks for this weight
+    (lm/kernels/compute.py): bf16 on AMX tiles (amx_linear) or through torch's bf16 GEMM, the int8
+    dot products of Q8_0 / Q4_0 weights (int8_linear), or float32, a compact weight converted to
+    float32 for this call."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     compact = weight.dtype != x.dtype  # a compact format (lm/formats): F.linear cannot read it
-    if rows > MAX_ROWS and weight.dtype == torch.uint8 and int8_activations(x):
+    how = pick(compute, weight.dtype, _fusable(x)) if rows > MAX_ROWS else "fp32"
+    if how == "int8":
         # Q8_0 / Q4_0 weights (the only uint8 formats) in prefill: the int8 dot products, no float32 copy
         y = _kernels().int8_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight)
+    elif how == "bf16":
+        y = bf16_linear(x.reshape(rows, x.shape[-1]), weight)
     else:
         takes_kernel = 0 < rows <= MAX_ROWS if compact else rows > 0 and _eligible(rows, weight)
         if not takes_kernel or (k := _fusable(x)) is None:
@@ -174,6 +181,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 times a weight of any format in bf16 with float32 sums -> [M, N] float32: on
+    AMX tiles when the kernels have them (the weight converted panel by panel, amx_linear.cpp), else
+    torch's bf16 GEMM (a bf16 weight in rows as it is, another converted for this call)."""
+    k = _fusable(x)
+    if k is not None and k.amx_ready():
+        return k.amx_linear(x.contiguous(), weight)
+    if weight.dtype != torch.bfloat16:
+        from ..formats import to_float
+
+        weight = to_float(weight, x.shape[-1]).to(torch.bfloat16)
+    return F.linear(x.to(torch.bfloat16), weight).float()
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, experts: list[int], sizes: list[int]) -> torch.Tensor | None:
     """Rows of x [R, K] grouped by expert (`sizes` rows for each of `experts`) times their expert's
     weight[e] [N, K] -> [R, N]; None when the kernel does not apply (the caller uses its own path)."""
@@ -187,15 +208,21 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, experts: list[int], si
 
 
 def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor,
-               token: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+               token: torch.Tensor, weight: torch.Tensor, compute: str | None = None) -> torch.Tensor | None:
     """Token rows x [N, H] through their selected experts' SwiGLU (gate_up [E, 2I, H], down [E, H, I]),
     weighted and summed -> [N, H]. The selections come grouped by expert: `counts` [E] of them each,
     `token` [S] the row of each and `weight` [S] its routing weight. Experts spread over threads;
-    None when n/a."""
+    each computes as `compute` picks for the experts' format (lm/kernels/compute.py). None when n/a."""
     if (k := _fusable(x)) is None:
         return None
+    how = pick(compute, gate_up.dtype, k)
+    if how == "bf16" and not k.amx_ready():
+        say_once("bf16-experts", "compute='bf16': the routed experts' prefill takes bf16 on AMX tiles only; "
+                 "without them it computes in float32")  # fmt: skip
+        how = "fp32"
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).long()
-    return k.expert_mlp(x.contiguous(), gate_up, down, offsets, token, weight.float().contiguous())
+    code = {"fp32": 0, "bf16": 1, "int8": 2}[how]
+    return k.expert_mlp(x.contiguous(), gate_up, down, offsets, token, weight.float().contiguous(), code)
 
 
 def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int):

@@ -11,6 +11,7 @@
 // expert into the thread's scratch first: once per expert per prefill call, shared by all of its
 // token rows.
 
+#include "kernels.h"
 #include "vec.h"
 
 #include <c10/core/GradMode.h>
@@ -29,13 +30,15 @@ using namespace qwen35;
 // and summing those made a prefill of more than a few tokens differ from call to call in its last
 // bits, and a greedy generation's near-ties with it.) The kept outputs take S x H floats.
 at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Tensor offsets, at::Tensor token,
-                      at::Tensor weight) {
+                      at::Tensor weight, int64_t compute) {
   check(x, "x");
   check(weight, "weight");
   const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2, N = x.size(0), H = x.size(1), S = token.numel();
   const Rows gu = rows_of(gate_up, H, "experts.gate_up_proj"), dn = rows_of(down, I, "experts.down_proj");
   const bool compact = gu.fmt != F32 || dn.fmt != F32;
-  const bool i8 = int8_path(gu) && int8_path(dn);  // Q8_0 / Q4_0 experts with int8 activations on
+  // compute (lm/kernels/compute.py): 0 float32, 1 bf16 on AMX tiles, 2 int8 where the weights allow
+  const bool i8 = compute == 2 && int8_path(gu) && int8_path(dn);  // Q8_0 / Q4_0, int8 activations on
+  const bool amx = compute == 1 && amx_ready();
   TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && down.size(0) == E && down.size(1) == H &&
                   offsets.numel() == E + 1 && offsets.scalar_type() == at::kLong &&
                   token.scalar_type() == at::kLong && weight.numel() == S,
@@ -56,7 +59,7 @@ at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Ten
     c10::NoGradGuard no_grad;  // inference only (grad mode is per thread)
     at::Tensor gate_up_f, down_f;  // this thread's float32 copy of the current expert (compact formats)
     QuantizedX xq;  // this thread's current expert's rows of x, then of act, in Q8_0 blocks (int8 path)
-    if (compact && !i8) gate_up_f = at::empty({2 * I, H}, x.options()), down_f = at::empty({H, I}, x.options());
+    if (compact && !i8 && !amx) gate_up_f = at::empty({2 * I, H}, x.options()), down_f = at::empty({H, I}, x.options());
     for (int64_t i = next++; i < E; i = next++) {
       const int64_t e = order[i], r0 = op[e], rows = op[e + 1] - r0;
       if (rows == 0) break;  // sorted: the rest are empty
@@ -71,6 +74,11 @@ at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Ten
         for (int64_t r = 0; r < rows; ++r) silu_mul(hp + r * 2 * I, hp + r * 2 * I + I, ap + r * I, I);
         quantize_x(ap, rows, I, I, xq);
         block_i8_rows(xq, rows, dn.from(e * H), 0, H, ys[e].data_ptr<float>(), H);
+        continue;
+      }
+      if (amx) {  // bf16 tiles, each expert's weights converted in panels (amx_linear.cpp), one thread
+        auto h = amx_linear(xe, gate_up[e]);  // [rows, 2I]
+        ys[e] = amx_linear(at::silu(h.narrow(1, 0, I)).mul_(h.narrow(1, I, I)), down[e]);  // [rows, H]
         continue;
       }
       if (compact) {

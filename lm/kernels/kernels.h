@@ -14,6 +14,9 @@
 at::Tensor small_m_linear(at::Tensor x, at::Tensor W, at::Tensor panels);
 std::vector<at::Tensor> multi_linear(at::Tensor x, std::vector<at::Tensor> weights, std::vector<at::Tensor> panels);
 at::Tensor int8_linear(at::Tensor x, at::Tensor W);
+// prefill products in bf16 on AMX tiles (amx_linear.cpp); amx_ready: built with them and allowed by the OS
+at::Tensor amx_linear(at::Tensor x, at::Tensor W);
+bool amx_ready();
 at::Tensor grouped_linear(at::Tensor x, at::Tensor W, at::Tensor experts, at::Tensor offsets);
 at::Tensor dequantize(at::Tensor w, int64_t K);
 at::Tensor gated_delta_step(at::Tensor state, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor decay,
@@ -54,7 +57,7 @@ at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::T
                       at::Tensor sh_gate, at::Tensor sh_up, at::Tensor sh_down, at::Tensor sh_expert_gate,
                       int64_t pieces_per_expert);
 at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Tensor offsets, at::Tensor token,
-                      at::Tensor weight);
+                      at::Tensor weight, int64_t compute);
 std::vector<at::Tensor> chunked_delta_rule(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
                                            at::Tensor state, int64_t chunk);
 at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor keep, double scale,

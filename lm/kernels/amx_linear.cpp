@@ -1,0 +1,175 @@
+// Prefill products in bf16 on AMX tiles (Intel Sapphire Rapids and later): y = x W^T for many rows
+// of x, W in any format of formats.h, float32 in and out, float32 accumulation in the tiles.
+//
+// The weights are never copied whole: each thread takes 128 rows of W at a time, converts them
+// through the format's to_float into a bf16 panel in its own scratch (L2-sized) and multiplies every
+// row of x with it. x is rounded to bf16 once per call and laid out as the tiles' B operand (pairs
+// of k per token: [K/2][M][2]); the panel rows are the A operand as they are (row-major bf16). So a
+// tile product C[16 weight rows][16 tokens] += A[16][32 k] B[16 k pairs][16 tokens][2], four of them
+// (32 weight rows x 32 tokens) per step of 32 k, C transposed into y at the end.
+// Error: x and W rounded to bf16 (relative 2^-9 each), products and sums in float32;
+// tests/lm/test_compute.py states the bound against the float32 product on the same weights.
+// Built where the compiler targets AMX-BF16 and AVX512-BF16 (-march=native on such a CPU); the
+// process asks Linux for the tile state once (arch_prctl) and `amx_ready` says whether it may use it.
+
+#include "vec.h"
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <vector>
+
+using namespace qwen35;
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define QWEN35_AMX 1
+#else
+#define QWEN35_AMX 0
+#endif
+
+namespace {
+
+constexpr int64_t TILE = 16;            // rows of a tile (weight rows of C, tokens of B)
+constexpr int64_t KT = 32;              // k per tile product (16 pairs of bf16)
+constexpr int64_t PANEL_ROWS = 128;     // weight rows a thread converts at a time
+constexpr int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+#if QWEN35_AMX
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: C (2 x 2 of 16 weight rows x 16 tokens, float32); 4, 5: A (weights); 6, 7: B (x).
+inline void configure_tiles() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = TILE;
+  _tile_loadconfig(&c);
+}
+
+// fp32 rows [rows][K] -> bf16 rows [rows][Kp], each ld apart (round to nearest even, zero tail).
+inline void to_bf16_rows(const float* in, int64_t rows, int64_t K, int64_t Kp, uint16_t* out, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = in + r * K;
+    uint16_t* dst = out + r * ld;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16), _mm512_loadu_ps(src + k));
+      _mm512_storeu_si512(dst + k, (__m512i)v);
+    }
+    for (; k < K; ++k) {
+      const __m128bh v = _mm_cvtneps_pbh(_mm_set_ss(src[k]));
+      dst[k] = static_cast<uint16_t>(_mm_cvtsi128_si32((__m128i)v));
+    }
+    std::memset(dst + K, 0, (Kp - K) * sizeof(uint16_t));
+  }
+}
+
+// x [M][K] float32 -> bf16 pairs of k per token: out[k / 2][ldx][2] (tokens past M and k past K zero),
+// 16 tokens at a time so that each write is one line of 16 tokens' pairs.
+void x_as_pairs(const float* x, int64_t M, int64_t K, int64_t Mp, int64_t Kp, uint16_t* out, int64_t ldx) {
+  at::parallel_for(0, Mp / TILE, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<uint16_t> rows(TILE * Kp);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t m0 = g * TILE, live = std::max<int64_t>(0, std::min(TILE, M - m0));
+      to_bf16_rows(x + m0 * K, live, K, Kp, rows.data(), Kp);
+      std::fill(rows.begin() + live * Kp, rows.end(), 0);
+      const uint32_t* pairs = reinterpret_cast<const uint32_t*>(rows.data());
+      uint32_t* dst = reinterpret_cast<uint32_t*>(out) + m0;
+      for (int64_t p = 0; p < Kp / 2; ++p)
+        for (int64_t i = 0; i < TILE; ++i) dst[p * ldx + i] = pairs[i * (Kp / 2) + p];
+    }
+  });
+}
+
+// C tiles of one 32 x 32 step, transposed into y[m][n] (only rows < M, columns < N).
+inline void store_block(float* y, int64_t ldy, int64_t m0, int64_t n0, int64_t M, int64_t N) {
+  alignas(64) float c[4][TILE][TILE];
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  _tile_stored(2, c[2], 64);
+  _tile_stored(3, c[3], 64);
+  for (int t = 0; t < 4; ++t) {  // tile t: weight rows n0 + 16 (t % 2), tokens m0 + 16 (t / 2)
+    const int64_t nb = n0 + TILE * (t % 2), mb = m0 + TILE * (t / 2);
+    for (int64_t i = 0; i < TILE && mb + i < M; ++i)
+      for (int64_t j = 0; j < TILE && nb + j < N; ++j) y[(mb + i) * ldy + nb + j] = c[t][j][i];
+  }
+}
+
+// y[:, n0:n0+rows] = x W[n0:n0+rows]^T from a bf16 panel [rows (a multiple of 32)][ldp] and x's pairs
+// [Kp / 2][ldx][2]. The row strides are padded by a cache line (ldp = Kp + 32, ldx = Mp + 16): at
+// strides of 4 KiB the 16 rows of a tile load would share one L1 set.
+void panel_product(const uint16_t* panel, int64_t rows, int64_t ldp, const uint16_t* xp, int64_t ldx, int64_t M,
+                   int64_t Mp, int64_t Kp, int64_t n0, int64_t N, float* y, int64_t ldy) {
+  for (int64_t m0 = 0; m0 < Mp; m0 += 2 * TILE)
+    for (int64_t r = 0; r < rows; r += 2 * TILE) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const uint16_t* a = panel + r * ldp;
+      for (int64_t k = 0; k < Kp; k += KT) {
+        _tile_loadd(4, a + k, ldp * 2);
+        _tile_loadd(5, a + TILE * ldp + k, ldp * 2);
+        const uint16_t* b = xp + (k / 2) * ldx * 2 + m0 * 2;
+        _tile_loadd(6, b, ldx * 4);
+        _tile_loadd(7, b + TILE * 2, ldx * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      store_block(y, ldy, m0, n0 + r, M, N);
+    }
+}
+#endif
+
+bool request_tiles() {
+#if QWEN35_AMX
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool amx_ready() {
+  static const bool ready = request_tiles();
+  return ready;
+}
+
+// y = x W^T: x [M, K] float32, W [N, row] in any format with K inputs per row -> y [M, N] float32.
+at::Tensor amx_linear(at::Tensor x, at::Tensor W) {
+  check(x, "x");
+  TORCH_CHECK(x.dim() == 2 && W.dim() == 2, "amx_linear: x must be [M, K] and W [N, row]");
+  TORCH_CHECK(amx_ready(), "amx_linear: this build or this CPU has no AMX-BF16 tiles (lm.kernels.amx_ready)");
+  const int64_t M = x.size(0), K = x.size(1), N = W.size(0);
+  const Rows w = rows_of(W, K);
+  auto y = at::empty({M, N}, x.options());
+#if QWEN35_AMX
+  if (M == 0 || N == 0) return y;
+  const int64_t Kp = round_up(K, KT), Mp = round_up(M, 2 * TILE), ldp = Kp + KT, ldx = Mp + TILE;
+  std::vector<uint16_t> xp(Kp / 2 * ldx * 2);
+  x_as_pairs(x.data_ptr<float>(), M, K, Mp, Kp, xp.data(), ldx);
+  float* yp = y.data_ptr<float>();
+  const int64_t tasks = (N + PANEL_ROWS - 1) / PANEL_ROWS;
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    configure_tiles();
+    std::vector<float> f32(PANEL_ROWS * K);
+    std::vector<uint16_t> panel(PANEL_ROWS * ldp, 0);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * PANEL_ROWS, rows = std::min(PANEL_ROWS, N - n0), padded = round_up(rows, 2 * TILE);
+      to_float(w.from(n0), rows, K, f32.data());  // rows: a multiple of 8 for grouped formats (format_of)
+      to_bf16_rows(f32.data(), rows, K, Kp, panel.data(), ldp);
+      std::memset(panel.data() + rows * ldp, 0, (padded - rows) * ldp * sizeof(uint16_t));
+      panel_product(panel.data(), padded, ldp, xp.data(), ldx, M, Mp, Kp, n0, N, yp, N);
+    }
+    _tile_release();
+  });
+#endif
+  return y;
+}

@@ -1,0 +1,74 @@
+"""The compute format of prefill products: how many-row products multiply, whatever the weights'
+storage format (lm/formats). Chosen at load (`mm.load_model(compute=...)`, `--compute` on every
+front end), held by each layer (`Linear.compute`, `Experts.compute`) and resolved per product by
+`pick`; decode products are not affected (they are bandwidth-bound and keep their own paths).
+
+    fp32   float32 GEMMs; compact weights converted to float32 first (the exact reference path)
+    bf16   x and W rounded to bf16, products summed in float32: on AMX tiles (amx_linear.cpp, every
+           weight format, converted in L2-sized panels, never whole), else torch's bf16 GEMM
+    int8   x rounded to Q8_0 blocks, integer dot products with Q8_0 / Q4_0 weights (int8_dot.h,
+           while kernels.int8_activations is on); weights in other formats take float32
+    auto   float32 weights: fp32 (exact); other formats: bf16 where the CPU has AMX-BF16 tiles
+           (bench/ttft.py measures it against the float32 path), else int8 for Q8_0 / Q4_0 weights
+           and fp32 for bf16 ones
+
+Errors against float32 on the same weights: tests/lm/test_compute.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+
+CHOICES = ("auto", "fp32", "bf16", "int8")
+_said: set[str] = set()
+
+
+def check(name: str) -> str:
+    """`name` if it is a compute format; a ValueError listing the choices otherwise."""
+    if name not in CHOICES:
+        raise ValueError(f"unknown compute format {name!r}; choose one of {', '.join(CHOICES)}")
+    return name
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def pick(requested: str | None, weight_dtype, k) -> str:
+    """The compute format of one prefill product: `requested` (a layer's `compute`, None = as the
+    products ran before the option: int8 for Q8_0 / Q4_0 weights while int8 activations are on,
+    float32 otherwise) for a weight stored as `weight_dtype` (torch.float32: float32; bfloat16 or
+    uint16: bf16; uint8: Q8_0 / Q4_0), `k` the kernels' module (or None)."""
+    int8_ok = weight_dtype == torch.uint8 and k is not None and bool(k.INT8_DOT) and k.int8_activations()
+    if requested is None:
+        return "int8" if int8_ok else "fp32"
+    if requested == "auto":
+        if weight_dtype == torch.float32:
+            return "fp32"  # float32 weights ask for the exact path
+        return "bf16" if k is not None and k.amx_ready() else "int8" if int8_ok else "fp32"
+    if requested == "int8" and not int8_ok:
+        say_once("int8-n/a", "compute='int8' applies to int8 / int4 weights with the kernels' int8 dot products "
+                  "on; other products compute in float32")  # fmt: skip
+        return "fp32"
+    if requested == "bf16" and (k is None or not k.amx_ready()) and "avx512_bf16" not in cpu_flags():
+        say_once("bf16-emulated", "compute='bf16' on a CPU without AVX512-BF16 or AMX-BF16: torch emulates bf16 "
+                  "products there, slower than float32 (bench/ttft.py measures it); 'auto' does not pick it")  # fmt: skip
+    return check(requested)
+
+
+def say_once(key: str, text: str) -> None:
+    """`text` on stderr, once a process per `key`."""
+    if key not in _said:
+        _said.add(key)
+        print(f"[qwen35] {text}", file=sys.stderr)

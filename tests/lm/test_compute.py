@@ -1,0 +1,114 @@
+"""Compute formats of prefill products (lm/kernels/compute.py): bf16 and int8 against float32 on
+the same weights, per product and end to end, and the fp32 path unchanged.
+
+Bounds, stated here and in the README:
+- bf16, per product: |y - y32| <= 2^-7 (|x| |W|^T) elementwise (x and W each rounded to bf16,
+  relative 2^-9 each, sums in float32; torch's bf16 GEMM, the path without AMX, also rounds y to
+  bf16), for every weight format; the AMX kernel equals its portable twin (the float32 product of
+  the same bf16-rounded values) up to float32 summation order.
+- end to end (the tiny random models, whose every parameter is perturbed): logits of bf16 / int8
+  compute within 3% of their range from fp32 compute on the same weights, MoE and dense, batch 1
+  and batch 8 with left padding; vision features within 2% of theirs.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mm
+from lm import kernels
+from lm.formats import FORMATS, group_rows, to_float
+from lm.kernels import compute
+from tests.conftest import rel_err
+
+BF16_BOUND = 2.0**-7
+
+
+def _weights(n: int, k: int, seed: int) -> dict[str, torch.Tensor]:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    return {"fp32": w, "bf16 rows": w.bfloat16(), "bf16 groups": group_rows(w),
+            "int8": FORMATS["int8"].quantize(w), "int4": FORMATS["int4"].quantize(w)}  # fmt: skip
+
+
+def test_unknown_compute_is_refused_with_the_choices(checkpoints):
+    with pytest.raises(ValueError, match="choose one of auto, fp32, bf16, int8"):
+        compute.check("fp16")
+    with pytest.raises(ValueError, match="unknown compute format 'fast'"):
+        mm.load_model(checkpoints("moe_text")[1], compute="fast")
+
+
+@pytest.mark.parametrize("m, n, k", [(9, 40, 64), (77, 96, 160), (300, 264, 1152)])
+def test_bf16_products_within_their_bound_for_every_format(m, n, k):
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    for name, w in _weights(n, k, seed=n).items():
+        w32 = to_float(w, k)
+        y = kernels.linear(x, w, compute="bf16")
+        bound = BF16_BOUND * (x.abs() @ w32.abs().t()) + 1e-6
+        assert bool(((y - x @ w32.t()).abs() <= bound).all()), name
+        if kernels._kernels() is not None and kernels._kernels().amx_ready():
+            assert rel_err(y, _twin(x, w32)) < 1e-5, name
+
+
+def _twin(x: torch.Tensor, w32: torch.Tensor) -> torch.Tensor:
+    """The portable twin of amx_linear: the float32 product of the bf16-rounded x and W."""
+    return F.linear(x.bfloat16().float(), w32.bfloat16().float())
+
+
+def test_amx_kernel_matches_its_twin_where_the_cpu_has_it():
+    k = kernels._kernels()
+    if k is None or not k.amx_ready():
+        assert compute.pick("auto", torch.bfloat16, k) != "bf16"  # auto never picks bf16 without tiles
+        return
+    x = torch.randn(45, 4304)  # K no multiple of 32 (the vision MLP's), M no multiple of 32
+    w = torch.randn(72, 4304)
+    assert rel_err(k.amx_linear(x, w), _twin(x, w)) < 1e-5
+    assert compute.pick("auto", torch.uint8, k) == "bf16" and compute.pick("auto", torch.float32, k) == "fp32"
+
+
+def test_pick_resolves_per_weight_format():
+    k = kernels._kernels()
+    assert compute.pick("fp32", torch.uint8, k) == "fp32"
+    assert compute.pick("bf16", torch.float32, k) == "bf16"
+    legacy = "int8" if k is not None and k.INT8_DOT and k.int8_activations() else "fp32"
+    assert compute.pick(None, torch.uint8, k) == legacy  # a layer without a compute setting: as before
+    assert compute.pick("int8", torch.bfloat16, k) == "fp32"  # said once: int8 needs int8 / int4 weights
+
+
+def _logits(model, ids, mask=None):
+    return model(ids, attention_mask=mask)[:, -1]
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+@pytest.mark.parametrize("weights, fast", [("int4", "bf16"), ("int8", "int8"), ("bf16", "bf16")])
+def test_end_to_end_logits_against_fp32_compute(checkpoints, kind, weights, fast):
+    path = checkpoints(kind)[1]
+    exact, quick = mm.load_model(path, weights=weights, compute="fp32"), mm.load_model(path, weights=weights, compute=fast)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 400, (1, 48), generator=g)
+    assert rel_err(_logits(quick, ids), _logits(exact, ids)) < 0.03
+    batch = torch.randint(3, 400, (8, 40), generator=g)  # batch 8, left padding
+    mask = torch.ones_like(batch)
+    for row, pad in enumerate([0, 3, 7, 12, 0, 20, 5, 30]):
+        mask[row, :pad] = 0
+    assert rel_err(_logits(quick, batch, mask), _logits(exact, batch, mask)) < 0.03
+
+
+def test_fp32_weights_keep_the_exact_path_under_auto(checkpoints):
+    path = checkpoints("moe")[1]
+    auto, exact = mm.load_model(path, weights="fp32"), mm.load_model(path, weights="fp32", compute="fp32")
+    ids = torch.randint(3, 400, (2, 37), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(_logits(auto, ids), _logits(exact, ids))
+
+
+def test_vision_features_bf16_against_fp32(checkpoints):
+    path = checkpoints("moe")[1]
+    model = mm.load_model(path, weights="bf16", compute="fp32")
+    visual = model.visual
+    cfg = visual.config
+    grid = torch.tensor([[2, 8, 12]])
+    pixels = torch.randn(int(grid.prod()), cfg.patch_dim, generator=torch.Generator().manual_seed(7))
+    exact = visual(pixels, grid)
+    visual.compute = "bf16"
+    quick = visual(pixels, grid)
+    assert 0 < rel_err(quick, exact) < 0.02  # bf16 products ran (not equal) within the bound
+    assert mm.load_model(path, weights="bf16", compute="bf16").visual.compute == "bf16"
