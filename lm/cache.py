@@ -13,6 +13,8 @@ Two ways to share a cache between rows:
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .config import TextConfig
@@ -23,10 +25,19 @@ class CacheOverflowError(ValueError):
 
 
 class KVSlot:
-    """Key/value buffers `[B, KV, max_len, D]` of one full-attention layer."""
+    """Key/value buffers `[B, KV, max_len, D]` of one full-attention layer. It refers to its cache
+    weakly: a strong reference would make every cache a reference cycle, whose tensors (a prefix
+    snapshot's KV, gigabytes of them) only Python's cyclic collector would free, seldom and late."""
 
     def __init__(self, cache: "Cache", k: torch.Tensor, v: torch.Tensor):
-        self.cache, self.k, self.v = cache, k, v
+        self._cache, self.k, self.v = weakref.ref(cache), k, v
+
+    @property
+    def cache(self) -> "Cache":
+        cache = self._cache()
+        if cache is None:
+            raise RuntimeError("a KV slot used after its cache was freed")
+        return cache
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write `k, v` [B, KV, T, D] at the cache's write position; return all keys/values so far."""

@@ -15,7 +15,10 @@ are sampled, or `cancel()` it. Each engine step:
    samples its first token and takes the next free slot.
 
 Memory is bounded: `max_batch` slots (8: the decode kernels' row limit) of at most `max_len`
-positions each (SlotStore), one prompt in prefill at a time, and the prefix cache's byte budget.
+positions each (SlotStore), one prompt in prefill at a time, and the prefix cache's byte budget,
+which holds every snapshot (a copy too large for the whole budget is never made). A prompt takes at
+most `named_snapshots` of the snapshots its caller names (one per message would be a copy of the
+state per message: 5,000 short messages, 5,000 copies of a growing KV cache).
 Requests beyond the free slots wait in order, never dropped; a request that cannot fit in one slot
 (prompt + max_new_tokens > max_len) is refused at `submit` with `RequestTooLargeError`.
 
@@ -23,7 +26,8 @@ Prefix cache (lm/prefix_cache.py): before its prefill, a request resumes from th
 snapshot whose key starts its own key, and prefills only the rest. Snapshots are taken at the end
 of each prompt, at the prompt positions the caller names (`Prompt.snapshot_at`: the chat front end
 names each message's start and the start of the assistant turn, where the next turn's history
-diverges), where the prompt leaves the longest prefix it shares with a stored snapshot's key,
+diverges; at most `named_snapshots` of them: the first and the last ones), where the prompt leaves
+the longest prefix it shares with a stored snapshot's key,
 every `snapshot_every` tokens of long prompts, and at the end of each generation.
 
 Greedy outputs equal one-request-at-a-time generation (`stream_generate` with batch 1): every row
@@ -170,14 +174,15 @@ def default_prefix_cache_bytes() -> int:
 class Engine:
     def __init__(self, lm: CausalLM, *, eos_token_ids: Sequence[int] = (), max_batch: int = 8,
                  max_len: int | None = None, step_tokens: int = 128, prefill_chunk: int = 1024,
-                 prefix_cache_bytes: int | None = None, snapshot_every: int = 512,
+                 prefix_cache_bytes: int | None = None, snapshot_every: int = 512, named_snapshots: int = 8,
                  snapshot_generations: bool = True):  # fmt: skip
-        if max_batch < 1 or step_tokens < 1 or prefill_chunk < 1 or snapshot_every < 1:
-            raise ValueError("max_batch, step_tokens, prefill_chunk and snapshot_every must be >= 1")
+        if min(max_batch, step_tokens, prefill_chunk, snapshot_every, named_snapshots) < 1:
+            raise ValueError("max_batch, step_tokens, prefill_chunk, snapshot_every and named_snapshots must be >= 1")
         self.lm, self.eos = lm, tuple(eos_token_ids)
         self.max_batch, self.step_tokens, self.prefill_chunk = max_batch, step_tokens, prefill_chunk
         self.max_len = max_len or min(lm.config.max_position_embeddings, 32768)
         self.snapshot_every, self.snapshot_generations = snapshot_every, snapshot_generations
+        self.named_snapshots = named_snapshots
         device = lm.lm_head.weight.device
         self.store = SlotStore(lm.config, max_batch, self.max_len, device=device, dtype=lm.compute_dtype)
         self.prefix = PrefixCache(default_prefix_cache_bytes() if prefix_cache_bytes is None else prefix_cache_bytes)
@@ -306,10 +311,25 @@ class Engine:
         p = request.prompt
         t = len(p.token_ids)
         key = tuple(p.key) if p.key is not None else tuple(p.token_ids)
-        stops = sorted({s for s in p.snapshot_at if 0 < s < t} | set(range(self.snapshot_every, t, self.snapshot_every))
+        stops = sorted(self._named_stops(p.snapshot_at, t) | set(range(self.snapshot_every, t, self.snapshot_every))
                        | {t})  # fmt: skip
         sampler = Sampler([request.params], [list(p.token_ids)], device=self.store.device)
         return _Row(request, sampler, key, stops, next_pos=p.next_position if p.next_position is not None else t)
+
+    def _named_stops(self, points: Sequence[int], t: int) -> set[int]:
+        """The caller's snapshot points inside a prompt of `t` tokens, at most `named_snapshots`: the
+        first (after a shared system prompt) and the last ones (where the next chat turn leaves)."""
+        points = sorted({s for s in points if 0 < s < t})
+        if len(points) > self.named_snapshots:
+            points = points[:1] + points[len(points) - self.named_snapshots + 1 :]
+        return set(points)
+
+    def _snapshot(self, key: tuple, cache, logits: torch.Tensor) -> None:
+        """Store a copy of a batch-1 cache's state (len(key) positions) in the prefix cache, unless
+        the copy alone would exceed its whole budget: then it is never made."""
+        size = len(key) * (self.store.kv_bytes_per_token() + 1) + self.store.state_bytes()  # + 1: the key mask
+        if size + logits.numel() * logits.element_size() <= self.prefix.max_bytes:
+            self.prefix.insert(key, trimmed(cache, copy=True), logits)
 
     def _step(self) -> None:
         self.counters["steps"] += 1
@@ -417,8 +437,7 @@ class Engine:
             row, t = group[i], len(group[i].key)
             with self._guard(row.request, row):
                 state = row_state(cache, i, width - t)
-                if self.prefix.max_bytes:
-                    self.prefix.insert(row.key, trimmed(state, copy=True), logits[i])
+                self._snapshot(row.key, state, logits[i])
                 row.done, row.logits = t, logits[i]
                 self._begin_decoding(row, state)
         return b * width
@@ -434,8 +453,8 @@ class Engine:
         self.counters["prefill_tokens"] += end - start
         t = len(row.key)
         if end < t:
-            if end in row.stops and self.prefix.max_bytes:
-                self.prefix.insert(row.key[:end], trimmed(row.cache, copy=True), logits)
+            if end in row.stops:
+                self._snapshot(row.key[:end], row.cache, logits)
             return end - start
         self.prefix.insert(row.key, trimmed(row.cache, copy=False), logits)
         self._prefilling = None

@@ -50,6 +50,24 @@ def test_cache_state_size_is_fixed_for_linear_layers(checkpoints):
     assert big.slots[lm.config.full_attention_layers[0]].k.shape[2] == 1024
 
 
+def test_a_cache_is_freed_without_the_cyclic_collector(checkpoints):
+    """A KV slot refers to its cache weakly: a cache (a prefix snapshot's gigabytes) is no
+    reference cycle and goes the moment it is dropped, not at some later gc run (issue 43)."""
+    import gc
+    import weakref
+
+    lm = mm.load_model(checkpoints("moe_text")[1]).lm
+    gc.disable()
+    try:
+        cache = lm.make_cache(1, 64)
+        lm(torch.ones(1, 5, dtype=torch.long), cache=cache)
+        gone = weakref.ref(cache.slots[lm.config.full_attention_layers[0]].k)
+        del cache
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 def test_prompt_longer_than_max_len_is_refused(checkpoints):
     _, path = checkpoints("dense_text")
     lm = mm.load_model(path).lm

@@ -10,6 +10,7 @@ import torch
 import mm
 from lm import SamplingParams, generate
 from lm.scheduler import Engine, Prompt, RequestTooLargeError
+from lm.slots import trimmed
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +141,31 @@ def test_snapshot_at_a_named_position(lm_moe):
     other = ids[:21] + _prompt(7, 9)
     h = engine.submit(other, SamplingParams(max_new_tokens=8))
     assert h.result() == _alone(lm_moe, other, 8) and h.cached_tokens == 21
+    engine.close()
+
+
+def test_named_snapshots_are_capped_per_prompt(lm_moe):
+    """One snapshot per message start made a copy of the state per message (issue 43: 5,000
+    messages); a prompt takes at most `named_snapshots`: the first and the last ones."""
+    engine = Engine(lm_moe, snapshot_every=10_000, named_snapshots=3)
+    ids = _prompt(11, 60)
+    engine.submit(Prompt(ids, snapshot_at=tuple(range(5, 60, 5))), SamplingParams(max_new_tokens=1)).result()
+    assert sorted(len(s.key) for s in engine.prefix._entries.values()) == [5, 50, 55, 60]
+    engine.close()
+    with pytest.raises(ValueError, match="named_snapshots must be >= 1"):
+        Engine(lm_moe, named_snapshots=0)
+
+
+def test_a_snapshot_larger_than_the_budget_is_never_copied(lm_moe, monkeypatch):
+    from lm import scheduler
+
+    copies = []
+    monkeypatch.setattr(scheduler, "trimmed", lambda cache, copy: copies.append(copy) or trimmed(cache, copy=copy))
+    engine = Engine(lm_moe, prefix_cache_bytes=1, snapshot_every=10_000)
+    ids = _prompt(12, 40)
+    assert engine.submit(Prompt(ids, snapshot_at=(10, 20)), SamplingParams(max_new_tokens=3)).result() == _alone(
+        lm_moe, ids, 3)  # fmt: skip
+    assert True not in copies and len(engine.prefix) == 0
     engine.close()
 
 
