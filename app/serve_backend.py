@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from mm import Output, Pipeline
@@ -55,15 +56,28 @@ class Backend:
         return render(processor.tokenizer, processor.chat_template, messages, 0, add_generation_prompt=True,
                       enable_thinking=enable_thinking, template_kwargs=template_kwargs)  # fmt: skip
 
+    @contextmanager
+    def waiting_turn(self) -> Iterator[None]:
+        """Count the caller as a waiting request while it prepares (fetches its media): `ServerBusy`
+        when --max-waiting requests already wait."""
+        self._enter_waiting()
+        try:
+            yield
+        finally:
+            self._count(-1, 0)
+
     def start(self, job: ChatJob) -> "Generation":
         """Start `job`; read its pieces with `Generation.events()`."""
+        self._enter_waiting()
+        generation = Generation(self, job, asyncio.get_running_loop())
+        threading.Thread(target=generation.work, name="generation", daemon=True).start()
+        return generation
+
+    def _enter_waiting(self) -> None:
         with self._lock:
             if self._waiting >= self.max_waiting:
                 raise ServerBusy(f"{self._waiting} requests are already waiting (the limit, --max-waiting)")
             self._waiting += 1
-        generation = Generation(self, job, asyncio.get_running_loop())
-        threading.Thread(target=generation.work, name="generation", daemon=True).start()
-        return generation
 
     def _count(self, waiting: int, running: int) -> None:
         with self._lock:

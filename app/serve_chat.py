@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from lm import SamplingParams
 
 from .openai_protocol import ChatCompletionRequest, NamedToolChoice, bad_request
-from .serve_media import MediaPolicy, media_bytes
+from .serve_media import MediaPolicy
 
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "chat_template"})
 REQUIRED_TOOL_NOTE = "You must answer by calling one or more of the functions above."
@@ -28,6 +29,15 @@ class Limits:
     max_video_frames: int = 768  # frames per video (also the default sampling cap)
     default_max_tokens: int = 4096  # when a request gives no max_tokens (at most half the context)
     media: MediaPolicy = field(default_factory=MediaPolicy)
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    """One image or video of a request: where it is (`messages[m].content[p]`) and its URL."""
+
+    where: str
+    kind: str  # "image" or "video"
+    url: str
 
 
 @dataclass
@@ -119,11 +129,33 @@ def template_inputs(request: ChatCompletionRequest) -> tuple[bool | None, dict[s
     return thinking, kwargs, tools
 
 
-def build_conversation(request: ChatCompletionRequest, limits: Limits, note: str | None) -> list[dict[str, Any]]:
-    """The messages as `mm.Pipeline` takes them; media fetched to bytes; `note` appended to the system turn."""
-    counts = {"image": 0, "video": 0}
+def media_refs(request: ChatCompletionRequest, limits: Limits) -> list[MediaRef]:
+    """The request's images and videos in order; a 400 naming the limit when there are too many."""
+    refs, counts = [], {"image": 0, "video": 0}
+    for index, message in enumerate(request.messages):
+        if message.role != "user" or isinstance(message.content, str):
+            continue
+        for j, part in enumerate(message.content):
+            if part.type == "text":
+                continue
+            kind = "image" if part.type == "image_url" else "video"
+            counts[kind] += 1
+            limit = limits.max_images if kind == "image" else limits.max_videos
+            if counts[kind] > limit:
+                flag = "--max-images" if kind == "image" else "--max-videos"
+                raise bad_request(f"more than {limit} {kind}s in the request: the limit is {limit} {kind}s per "
+                                  f"request ({flag})", "messages", f"too_many_{kind}s")  # fmt: skip
+            url = part.image_url.url if kind == "image" else part.video_url.url
+            refs.append(MediaRef(f"messages[{index}].content[{j}]", kind, url))
+    return refs
+
+
+def build_conversation(request: ChatCompletionRequest, limits: Limits, note: str | None,
+                       media: Mapping[str, bytes]) -> list[dict[str, Any]]:  # fmt: skip
+    """The messages as `mm.Pipeline` takes them, with the bytes `media` holds for each `MediaRef.where`;
+    `note` appended to the system turn."""
     video = _video_options(request, limits)
-    conversation = [_message(m, i, limits, counts, video) for i, m in enumerate(request.messages)]
+    conversation = [_message(m, i, limits, media, video) for i, m in enumerate(request.messages)]
     if note:
         if conversation[0]["role"] == "system":
             conversation[0]["content"] = f"{_text(conversation[0]['content'])}\n\n{note}".strip()
@@ -150,10 +182,11 @@ def _video_options(request: ChatCompletionRequest, limits: Limits) -> dict[str, 
                               f"{limits.max_video_frames} frames per video (--max-video-frames)",
                               "mm_processor_kwargs", "too_many_frames")  # fmt: skip
     options.setdefault("max_frames", limits.max_video_frames)
+    options["max_pixels"] = limits.media.max_pixels
     return options
 
 
-def _message(message: Any, index: int, limits: Limits, counts: dict[str, int],
+def _message(message: Any, index: int, limits: Limits, media: Mapping[str, bytes],
              video: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     where = f"messages[{index}]"
     if message.role in ("system", "developer"):
@@ -170,23 +203,16 @@ def _message(message: Any, index: int, limits: Limits, counts: dict[str, int],
         return out
     if isinstance(message.content, str):
         return {"role": "user", "content": message.content}
-    return {"role": "user", "content": [_part(p, f"{where}.content[{j}]", limits, counts, video)
+    return {"role": "user", "content": [_part(p, f"{where}.content[{j}]", limits, media, video)
                                         for j, p in enumerate(message.content)]}  # fmt: skip
 
 
-def _part(part: Any, where: str, limits: Limits, counts: dict[str, int], video: dict[str, Any]) -> dict[str, Any]:
+def _part(part: Any, where: str, limits: Limits, media: Mapping[str, bytes], video: dict[str, Any]) -> dict[str, Any]:
     if part.type == "text":
         return {"type": "text", "text": part.text}
-    kind = "image" if part.type == "image_url" else "video"
-    counts[kind] += 1
-    limit = limits.max_images if kind == "image" else limits.max_videos
-    if counts[kind] > limit:
-        flag = "--max-images" if kind == "image" else "--max-videos"
-        raise bad_request(f"more than {limit} {kind}s in the request: the limit is {limit} {kind}s per request "
-                          f"({flag})", "messages", f"too_many_{kind}s")  # fmt: skip
-    url = part.image_url.url if kind == "image" else part.video_url.url
-    data = media_bytes(url, limits.media, where)
-    return {"type": "image", "image": data} if kind == "image" else {"type": "video", "video": data, **video}
+    if part.type == "image_url":
+        return {"type": "image", "image": media[where], "max_pixels": limits.media.max_pixels}
+    return {"type": "video", "video": media[where], **video}
 
 
 def _history_call(call: Any, where: str) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""The bytes behind a request's `image_url` / `video_url`: data URIs, http(s) URLs (size and time
-limits) and, only under `--allowed-local-media-path`, `file://` URLs and local paths.
+"""The bytes behind a request's `image_url` / `video_url`: data URIs, http(s) URLs (fetched under a
+`FetchPolicy`: app/serve_fetch.py) and, only under `--allowed-local-media-path`, `file://` URLs and local paths.
 
 Everything becomes bytes here, so the processor never reads a path or a URL a client chose.
 """
@@ -8,26 +8,29 @@ from __future__ import annotations
 
 import base64
 import binascii
-import time
-import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .openai_protocol import APIError, bad_request
+from preprocess.budget import DEFAULT_MAX_PIXELS
 
-_CHUNK = 1 << 16
+from .openai_protocol import APIError, bad_request
+from .serve_fetch import FetchError, FetchPolicy, fetch
 
 
 @dataclass(frozen=True)
 class MediaPolicy:
-    """Where media may come from and how much: `max_bytes` per item, `fetch_timeout` seconds per
-    download, `allowed_local` the only folder whose files may be read (None: no local files)."""
+    """Where media may come from and how much: `max_bytes` per item, `remote` which http(s) URLs may
+    be fetched and how long one fetch may take, `allowed_local` the only folder whose files may be
+    read (None: no local files), `max_pixels` the pixel budget of one image or one video's frames
+    (preprocess.budget), `fetch_workers` the fetches running at once (their own thread pool)."""
 
     max_bytes: int = 64 << 20
-    fetch_timeout: float = 10.0
+    remote: FetchPolicy = field(default_factory=FetchPolicy)
     allowed_local: Path | None = None
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    fetch_workers: int = 8
 
 
 def media_bytes(url: str, policy: MediaPolicy, where: str) -> bytes:
@@ -62,33 +65,10 @@ def _data_uri(url: str, where: str) -> bytes:
 
 
 def _download(url: str, policy: MediaPolicy, where: str) -> bytes:
-    deadline = time.monotonic() + policy.fetch_timeout
-    request = urllib.request.Request(url, headers={"User-Agent": "qwen35-vl-serve"})
     try:
-        with urllib.request.urlopen(request, timeout=policy.fetch_timeout) as response:
-            size = response.headers.get("Content-Length")
-            if size is not None and size.isdigit() and int(size) > policy.max_bytes:
-                raise _too_big(where, policy)
-            chunks, total = [], 0
-            while chunk := response.read(_CHUNK):
-                chunks.append(chunk)
-                total += len(chunk)
-                if total > policy.max_bytes:
-                    raise _too_big(where, policy)
-                if time.monotonic() > deadline:
-                    limit = f"the {policy.fetch_timeout:g} s limit (--media-fetch-timeout)"
-                    raise bad_request(f"{where}: downloading {_short(url)} took longer than {limit}", "messages")
-            return b"".join(chunks)
-    except APIError:
-        raise
-    except urllib.error.HTTPError as error:
-        raise bad_request(f"{where}: fetching {_short(url)} failed: HTTP {error.code} {error.reason}",
-                          "messages") from None  # fmt: skip
-    except urllib.error.URLError as error:
-        raise bad_request(f"{where}: could not fetch {_short(url)}: the network or host is unreachable "
-                          f"({error.reason})", "messages") from None  # fmt: skip
-    except (TimeoutError, OSError, ValueError) as error:
-        raise bad_request(f"{where}: could not fetch {_short(url)}: {error}", "messages") from None
+        return fetch(url, policy.remote, policy.max_bytes)
+    except FetchError as error:
+        raise bad_request(f"{where}: could not fetch URL {_short(url)}: {error}", "messages") from None
 
 
 def _local_file(url: str, policy: MediaPolicy, where: str) -> bytes:

@@ -2,9 +2,11 @@
 
 A conversation is a list of `{"role", "content"}` messages; content is a string or a list of parts:
 `{"type": "text", "text": ...}`, `{"type": "image", "image": <path|URL|bytes|PIL|array>}` (also
-`{"type": "image_url", "image_url": <url> | {"url": <url>}}`) and `{"type": "video", "video": <path |
-bytes | list of frames | [T, H, W, 3] array | VideoClip>, ...options}`. The template only sees the
-part types; the media are collected, in the order the template renders their placeholders.
+`{"type": "image_url", "image_url": <url> | {"url": <url>}}`; option "max_pixels", the pixel budget of
+an encoded image: preprocess.load_image) and `{"type": "video", "video": <path | bytes | list of frames
+| [T, H, W, 3] array | VideoClip>, ...options}` (preprocess.sample_video's, "max_pixels" included). The
+template only sees the part types; the media are collected, in the order the template renders their
+placeholders.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import jinja2
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 DEFAULT_CHAT_TEMPLATE_PATH = Path(__file__).resolve().parent / CHAT_TEMPLATE_FILE
 """The official Qwen3.5 chat template, as shipped in the checkpoints' chat_template.jinja."""
-VIDEO_OPTIONS = ("fps", "num_frames", "min_frames", "max_frames", "start", "end")
+VIDEO_OPTIONS = ("fps", "num_frames", "min_frames", "max_frames", "start", "end", "max_pixels")
+IMAGE_OPTIONS = ("max_pixels",)
 _PART_TYPES = ("text", "image", "image_url", "video")
 
 Message = dict[str, Any]
@@ -83,7 +86,8 @@ def _template_part(part: Any, where: str, media: list[MediaItem]) -> dict[str, A
             raise ValueError(f"{where}: a text part needs a string 'text'")
         return {"type": "text", "text": part["text"]}
     if kind in ("image", "image_url"):
-        media.append(MediaItem("image", _image_source(part, where), where))
+        options = {key: part[key] for key in IMAGE_OPTIONS if part.get(key) is not None}
+        media.append(MediaItem("image", _image_source(part, where), where, options))
         return {"type": "image"}
     if kind == "video":
         if part.get("video") is None:

@@ -6,9 +6,9 @@ the same pixels: every `<|image_pad|>` becomes `t*h*w/4` pads; every `<|video_pa
 mean timestamp of the group's first and last frame. Like transformers 5.x, only the pad token is
 replaced, so the template's own `<|vision_start|>` / `<|vision_end|>` stay around a video's groups.
 
-Images are loaded with `preprocess.load_image`. Videos given as a path, bytes or frames in memory go
-through `preprocess.sample_video` with the part's options (for frames in memory, "fps" is their frame
-rate); a `preprocess.VideoClip` is used as given.
+Images are loaded with `preprocess.load_image` (with the part's "max_pixels"). Videos given as a path,
+bytes or frames in memory go through `preprocess.sample_video` with the part's options (for frames in
+memory, "fps" is their frame rate); a `preprocess.VideoClip` is used as given.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ class Processor:
         images = []
         for item in items:
             try:
-                images.append(preprocess.load_image(item.source))
+                images.append(preprocess.load_image(item.source, **item.options))
                 self.image_processor.target_size(images[-1].height, images[-1].width)  # e.g. an extreme aspect ratio
             except preprocess.ImageError as error:
                 raise preprocess.ImageError(f"{item.where}: {error}") from error

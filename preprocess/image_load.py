@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import math
 import os
 import urllib.error
 import urllib.parse
@@ -16,12 +17,11 @@ from typing import Union
 import numpy as np
 from PIL import Image, ImageOps
 
+from .budget import DEFAULT_MAX_PIXELS, HARD_LIMIT_FACTOR, check_budget, fit, over_limit
 from .errors import ImageError
 
-# Decompression-bomb guard: refuse encoded images whose header declares more pixels than this
-# (2**27 = 134M pixels, e.g. 11585 x 11585) before decoding them. Pillow itself warns above
-# 89M pixels and refuses above 179M; our limit sits between, so Pillow's warning is muted here.
-MAX_IMAGE_PIXELS = 1 << 27
+# Pillow itself warns above 89M pixels and refuses above 179M; our hard limit (twice the pixel
+# budget: 2**27 = 134M pixels by default) sits between, so Pillow's warning is muted here.
 
 ImageSource = Union[str, os.PathLike, bytes, bytearray, memoryview, Image.Image, np.ndarray]
 
@@ -29,7 +29,7 @@ _SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
 
 def load_image(
-    source: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS, timeout: float = 30.0
+    source: ImageSource, *, max_pixels: int = DEFAULT_MAX_PIXELS, timeout: float = 30.0
 ) -> Image.Image:
     """Return `source` as an upright RGB PIL image.
 
@@ -42,7 +42,11 @@ def load_image(
     scaled from 0..65535 to 0..255; float greys ("F") are clipped to 0..255. Other modes (L, 1,
     P, CMYK, YCbCr, ...) use Pillow's conversion to RGB.
 
-    Encoded images declaring more than `max_pixels` pixels are refused before decoding.
+    `max_pixels` is the pixel budget of an encoded image (preprocess/budget.py): one larger is
+    scaled down to fit it while decoding (JPEG by the decoder's 1/2, 1/4, 1/8 scales, then any
+    format right after decoding, bicubic, before any other copy); one that would still decode to
+    more than twice the budget is refused before decoding. Images in memory (PIL, arrays) are
+    taken as they are.
     Raises `ImageError` naming the source for missing, empty, corrupt, unknown-format or
     oversized images and failed downloads.
     """
@@ -50,6 +54,7 @@ def load_image(
         return _upright_rgb(source, "PIL image")
     if isinstance(source, np.ndarray):
         return _upright_rgb(_from_array(source), f"array {source.shape}")
+    check_budget(max_pixels)
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
         return _decode(data, f"<{len(data)} bytes>", max_pixels)
@@ -112,17 +117,18 @@ def _decode_file(path: Path, max_pixels: int) -> Image.Image:
 
 
 def _decode(data: bytes, name: str, max_pixels: int) -> Image.Image:
-    """Decode encoded image bytes after checking the declared size against `max_pixels`."""
+    """Decode encoded image bytes within the pixel budget `max_pixels` (see `load_image`)."""
     if not data:
         raise ImageError(f"{name}: image data is empty")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
-        width, height = image.size
-        if width * height > max_pixels:
-            raise ImageError(f"{name}: image is {width}x{height} = {width * height} pixels, over the "
-                             f"limit of {max_pixels} (decompression-bomb guard; pass max_pixels to raise it)")
+        if image.width * image.height > max_pixels:
+            # JPEG: decode at the smallest DCT scale at least half the budget (so under twice it)
+            image.draft(image.mode, fit(image.width, image.height, max(max_pixels // 2, 1)))
+        if image.width * image.height > HARD_LIMIT_FACTOR * max_pixels:
+            raise ImageError(f"{name}: {over_limit('the image', image.width, image.height, max_pixels)}")
         image.load()
     except ImageError:
         raise
@@ -132,7 +138,22 @@ def _decode(data: bytes, name: str, max_pixels: int) -> Image.Image:
         raise ImageError(f"{name}: not a recognised image format") from e
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         raise ImageError(f"{name}: corrupt or truncated image ({e})") from e
-    return _upright_rgb(image, name)
+    return _upright_rgb(_shrink(image, max_pixels), name, owned=True)
+
+
+def _shrink(image: Image.Image, max_pixels: int) -> Image.Image:
+    """A decoded image over `max_pixels` box-reduced by the smallest whole factor that fits it (no
+    large intermediate); palette and bilevel images become RGB first, 16-bit greys are resized."""
+    if image.width * image.height <= max_pixels:
+        return image
+    if image.mode in ("1", "P", "PA"):  # Pillow reduces these by nearest neighbour
+        image = _to_rgb(image)
+    factor = math.ceil(math.sqrt(image.width * image.height / max_pixels))
+    while -(-image.width // factor) * -(-image.height // factor) > max_pixels:  # reduce rounds sides up
+        factor += 1
+    if image.mode.startswith("I;16"):  # Pillow cannot reduce these
+        return image.resize(fit(image.width, image.height, max_pixels), Image.Resampling.BICUBIC)
+    return image.reduce(factor)
 
 
 def _from_array(array: np.ndarray) -> Image.Image:
@@ -147,9 +168,14 @@ def _from_array(array: np.ndarray) -> Image.Image:
     raise ImageError(f"array {array.shape}: expected [H, W] or [H, W, C] with C in (1, 3, 4)")
 
 
-def _upright_rgb(image: Image.Image, name: str) -> Image.Image:
+def _upright_rgb(image: Image.Image, name: str, *, owned: bool = False) -> Image.Image:
+    """`image` turned upright by its EXIF orientation, as RGB; an `owned` image (decoded here) is
+    turned in place rather than copied."""
     try:
-        image = ImageOps.exif_transpose(image)
+        if owned:
+            ImageOps.exif_transpose(image, in_place=True)
+        else:
+            image = ImageOps.exif_transpose(image)
     except (OSError, SyntaxError, ValueError, TypeError) as e:
         raise ImageError(f"{name}: invalid EXIF orientation data ({e})") from e
     try:

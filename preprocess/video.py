@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .budget import DEFAULT_MAX_PIXELS, HARD_LIMIT_FACTOR, check_budget, fit, over_limit
 from .errors import VideoError
 from .frame_sampling import select_frames
 from .video_decode import decode_frames
@@ -57,6 +58,7 @@ def sample_video(
     max_frames: int = 768,
     start: float | None = None,
     end: float | None = None,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> VideoClip:
     """Sample frames by timestamp from a video file, or from frames already in memory.
 
@@ -74,7 +76,10 @@ def sample_video(
 
     Decoding: only the chosen frames are converted to RGB and kept (memory bounded by the
     sample); sparse targets are reached by seeking to the keyframe before each, dense ones by
-    one sequential pass. Rotation metadata (90/180/270) is applied.
+    one sequential pass. Rotation metadata (90/180/270) is applied. `max_pixels` is the pixel budget
+    of all chosen frames together (preprocess/budget.py): when T frames of the source's size would
+    hold more, FFmpeg scales each frame down (area) to fit before it is kept; a source frame over
+    twice the budget is refused. Frames in memory are taken as they are.
 
     Raises VideoError (naming the file) for missing, empty, non-video, audio-only, frameless or
     truncated files, and ValueError for invalid arguments or a window with no frame.
@@ -82,11 +87,11 @@ def sample_video(
     options = dict(fps=fps, num_frames=num_frames, min_frames=min_frames, max_frames=max_frames,
                    start=start, end=end)
     if isinstance(source, (str, os.PathLike, bytes, bytearray)):
-        return _sample_file(source, options)
+        return _sample_file(source, options, check_budget(max_pixels))
     return _sample_frames(source, options)
 
 
-def _sample_file(source: VideoPath, options: dict) -> VideoClip:
+def _sample_file(source: VideoPath, options: dict, max_pixels: int) -> VideoClip:
     name = f"<{len(source)} bytes>" if isinstance(source, (bytes, bytearray)) else os.fspath(source)
     name = name if len(name) <= 200 else name[:200] + "..."
     with open_video(source, name) as container:
@@ -94,7 +99,8 @@ def _sample_file(source: VideoPath, options: dict) -> VideoClip:
         index = index_stream(container, stream, name)
         chosen = select_frames(index.pts, index.time_base, index.end_pts, **options)
         wanted = [int(index.pts[i]) for i in chosen]
-        frames, decoded_pts = _gather(decode_frames(container, stream, index, wanted, name), wanted, name)
+        size = _decode_size(stream, len(wanted), max_pixels, name)
+        frames, decoded_pts = _gather(decode_frames(container, stream, index, wanted, name, size), wanted, name)
     first = int(index.pts[0])
     return VideoClip(
         frames=frames,
@@ -105,6 +111,16 @@ def _sample_file(source: VideoPath, options: dict) -> VideoClip:
         total_frames=len(index.pts),
         source=name,
     )
+
+
+def _decode_size(stream, count: int, max_pixels: int, name: str) -> tuple[int, int] | None:
+    """(width, height) to scale each of `count` frames to so that all fit `max_pixels`; None: as decoded."""
+    width, height = stream.codec_context.width, stream.codec_context.height
+    if width * height > HARD_LIMIT_FACTOR * max_pixels:
+        raise VideoError(f"{name}: {over_limit('a frame', width, height, max_pixels)}")
+    if count * width * height <= max_pixels:
+        return None
+    return fit(width, height, max(max_pixels // count, 1))
 
 
 def _gather(decoded, wanted: list[int], name: str) -> tuple[np.ndarray, list[int]]:

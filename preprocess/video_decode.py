@@ -42,25 +42,27 @@ def _keyframe_before(index: StreamIndex, pts: int) -> int:
 
 
 def decode_frames(container: av.container.InputContainer, stream: av.video.stream.VideoStream,
-                  index: StreamIndex, wanted: list[int], name: str) -> Iterator[tuple[int, int, np.ndarray]]:
+                  index: StreamIndex, wanted: list[int], name: str,
+                  size: tuple[int, int] | None = None) -> Iterator[tuple[int, int, np.ndarray]]:  # fmt: skip
     """Yield (wanted pts, decoded pts, RGB uint8 [H, W, 3] with rotation applied) for each wanted pts.
 
     The frame returned for a wanted pts is the first decoded frame at or after it (the frame
-    itself for an intact file). Only these frames are converted to RGB and held.
+    itself for an intact file). Only these frames are converted to RGB and held; `size`
+    (width, height before rotation) scales them down while converting.
     """
     stream.thread_type = "AUTO"  # FFmpeg frame + slice threading
     for run in plan_runs(sorted(set(wanted)), index):
-        yield from _decode_run(container, stream, index, run, name)
+        yield from _decode_run(container, stream, index, run, name, size)
 
 
-def _decode_run(container, stream, index: StreamIndex, run: list[int], name: str
+def _decode_run(container, stream, index: StreamIndex, run: list[int], name: str, size: tuple[int, int] | None
                 ) -> Iterator[tuple[int, int, np.ndarray]]:
     frames = _seek(container, stream, index, run[0], name)
     position = 0
     try:
         for frame in frames:
             while position < len(run) and frame.pts >= run[position]:
-                yield run[position], frame.pts, to_rgb(frame, stream, name)
+                yield run[position], frame.pts, to_rgb(frame, stream, name, size)
                 position += 1
             if position == len(run):
                 return
@@ -111,9 +113,13 @@ def _prepend(first: av.VideoFrame, rest: Iterator[av.VideoFrame]) -> Iterator[av
         rest.close()
 
 
-def to_rgb(frame: av.VideoFrame, stream, name: str) -> np.ndarray:
-    """RGB uint8 [H, W, 3] of a decoded frame, turned upright by the stream's rotation."""
-    rgb = frame.to_ndarray(format="rgb24")  # [H, W, 3]
+def to_rgb(frame: av.VideoFrame, stream, name: str, size: tuple[int, int] | None = None) -> np.ndarray:
+    """RGB uint8 [H, W, 3] of a decoded frame (scaled to `size`, (width, height), by area averaging
+    when given), turned upright by the stream's rotation."""
+    if size is None:
+        rgb = frame.to_ndarray(format="rgb24")  # [H, W, 3]
+    else:
+        rgb = frame.to_ndarray(format="rgb24", width=size[0], height=size[1], interpolation="AREA")
     turns = rotation_turns(frame, stream, name)
     return np.ascontiguousarray(np.rot90(rgb, turns)) if turns else rgb
 

@@ -54,11 +54,11 @@ def test_messages_and_where_errors_point():
                                  {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
                                  {"role": "assistant", "content": "Hello", "reasoning": "greeting"},
                                  {"role": "user", "content": "More"}])  # fmt: skip
-    conversation = build_conversation(request, Limits(), "Call a tool.")
+    conversation = build_conversation(request, Limits(), "Call a tool.", {})
     assert conversation[0] == {"role": "system", "content": "Be brief.\n\nCall a tool."}
     assert conversation[1]["content"] == [{"type": "text", "text": "Hi"}]
     assert conversation[2] == {"role": "assistant", "content": "Hello", "reasoning_content": "greeting"}
-    assert build_conversation(_request(), Limits(), "Note.")[0] == {"role": "system", "content": "Note."}
+    assert build_conversation(_request(), Limits(), "Note.", {})[0] == {"role": "system", "content": "Note."}
     job = ChatJob(conversation, SamplingParams(), None, {}, [], True, added_messages=1)
     assert job.where("conversation 0, message 2, part 0: bad image") == "messages[1].content[0]: bad image"
     assert job.where("conversation 0, message 3: x") == "messages[2]: x"

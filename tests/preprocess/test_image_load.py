@@ -120,10 +120,10 @@ def test_errors_name_the_source(tmp_path: Path):
 
 def test_decompression_bomb_is_refused_before_decoding():
     big = _png(np.zeros((300, 400, 3), dtype=np.uint8))
-    with pytest.raises(ImageError, match="120000 pixels.*decompression-bomb guard"):
-        load_image(big, max_pixels=100_000)
-    with pytest.raises(ImageError, match="12000x12000 = 144000000 pixels.*decompression-bomb guard"):
-        load_image(_forged_png(12000))  # over our default limit (2**27), refused from the header alone
+    with pytest.raises(ImageError, match="120000 pixels, over the limit of 100000.*with max_pixels"):
+        load_image(big, max_pixels=50_000)
+    with pytest.raises(ImageError, match="12000x12000 = 144000000 pixels.*--max-media-pixels"):
+        load_image(_forged_png(12000))  # over twice our default budget (2**27), refused from the header alone
     with pytest.raises(ImageError, match="decompression bomb"):
         load_image(_forged_png(20000))  # over Pillow's own hard limit
 
@@ -133,3 +133,20 @@ def _forged_png(side: int) -> bytes:
     png = _png(np.zeros((1, 1, 3), dtype=np.uint8))
     ihdr = png[12:16] + side.to_bytes(4, "big") * 2 + png[24:29]
     return png[:12] + ihdr + zlib.crc32(ihdr).to_bytes(4, "big") + png[33:]
+
+
+def test_pixel_budget_scales_down_while_decoding():
+    pattern = _pattern(300, 400)
+    for fmt, budget in (("PNG", 70_000), ("JPEG", 10_000)):  # PNG after decoding, JPEG by the decoder
+        buffer = io.BytesIO()
+        image = Image.fromarray(pattern)
+        exif = image.getexif()
+        exif[0x0112] = 6  # stored sideways: upright is 300 wide, 400 high
+        image.save(buffer, fmt, exif=exif.tobytes())
+        data = buffer.getvalue()
+        full, small = load_image(data), load_image(data, max_pixels=budget)
+        assert full.size == (300, 400) and np.array_equal(np.asarray(load_image(data, max_pixels=120_000)),
+                                                          np.asarray(full))  # within budget: as before
+        assert small.width * small.height <= budget and abs(small.width / small.height - 0.75) < 0.03
+    with pytest.raises(ValueError, match="positive int"):
+        load_image(data, max_pixels=0)
