@@ -49,7 +49,7 @@ def test_fast_decode_equals_reference_layers(checkpoints, monkeypatch, kind, bat
     """Batches of 6 and 8 stream panel copies of the mixers', dense MLPs' and LM head's weights (of
     bf16 weights, bf16 copies)."""
     _, path = checkpoints(kind)
-    model = mm.load_model(path, weights=weights)
+    model = mm.load_model(path, weights=weights, compute="fp32")  # prefill in float32, as the reference layers
     monkeypatch.setattr(lm.kernels, "MIN_WEIGHT_ELEMENTS", 0)  # the tiny weights take the kernels too
     monkeypatch.setattr(lm.kernels, "PANEL_ROWS", 5)  # panels on whatever this CPU's default
     ids = torch.randint(3, 500, (batch, 14), generator=torch.Generator().manual_seed(11))

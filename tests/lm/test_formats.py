@@ -356,7 +356,7 @@ def test_bf16_storage_equals_fp32_on_a_bf16_checkpoint(tmp_path, kind, groups, m
     extra = {"moe_text": dict(shared_expert_intermediate_size=64), "dense_tied": dict(tie_word_embeddings=True)}
     path = _bf16_checkpoint(tmp_path, kind.replace("_tied", "_text"), **extra.get(kind, {}))
     monkeypatch.setattr(kernels, "MIN_WEIGHT_ELEMENTS", 0)
-    fp32, auto = mm.load_model(path, weights="fp32"), mm.load_model(path)
+    fp32, auto = mm.load_model(path, weights="fp32"), mm.load_model(path, compute="fp32")  # storage alone
     # bf16 in rows, or in rows grouped by 8 (uint16), the embedding table (gathered in prefill and in the
     # decode step) and a head tied to it included
     groups = groups == "1"
@@ -378,7 +378,8 @@ def test_vision_tower_in_bf16_storage_equals_fp32_on_a_bf16_checkpoint(tmp_path,
     """Under a compact base the tower's matrices stay bf16 and are converted where used: the features
     equal those of the float32 tower bit for bit (bf16 -> fp32 is exact; the same products run)."""
     path = _bf16_checkpoint(tmp_path, "dense_vl")
-    compact, wide = mm.load_model(path, weights="int8"), mm.load_model(path, weights="int8,vision=fp32")
+    compact = mm.load_model(path, weights="int8", compute="fp32")  # storage alone: float32 products
+    wide = mm.load_model(path, weights="int8,vision=fp32", compute="fp32")
     assert compact.visual.blocks[0].mlp.linear_fc1.weight.dtype == torch.bfloat16
     assert compact.visual.merger.linear_fc1.weight.dtype == torch.bfloat16
     assert compact.visual.patch_embed.proj.weight.dtype == torch.bfloat16
@@ -412,7 +413,7 @@ def test_compact_model_equals_its_dequantized_weights_in_fp32(tmp_path, monkeypa
     extra = dict(shared_expert_intermediate_size=64) if kind.startswith("moe") else {}
     path = _bf16_checkpoint(tmp_path, kind, **extra)
     monkeypatch.setattr(kernels, "MIN_WEIGHT_ELEMENTS", 0)
-    model = mm.load_model(path, weights=weights)
+    model = mm.load_model(path, weights=weights, compute="int8")  # int8 products (float32 with them off)
     table = model.lm.model.embed_tokens.weight  # bf16: rows, or rows in groups of 8 with the kernels
     assert model.lm.lm_head.weight.dtype == torch.uint8 and format_of(table, table.shape[1]).name == "bf16"
     reference = _dequantized_fp32(model, path)
