@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from lm.scheduler import EngineClosedError
 from mm.processor import PromptTooLongError
@@ -106,6 +107,10 @@ def create_app(backend: Backend, config: ServeConfig) -> FastAPI:
         record = _Record(f"chatcmpl-{uuid.uuid4().hex}")
         try:
             return await _chat(request, backend, config, record, fetch_pool)
+        except ClientDisconnect:  # the client went away while sending its request: nobody to answer
+            record.status, record.finish = 499, "cancelled"
+            log.info(record.line())
+            return Response(status_code=499)
         except Exception as error:  # noqa: BLE001 - every failure becomes an OpenAI error response
             api_error = _as_api_error(error)
             record.status, record.finish = api_error.status, "error"
@@ -318,12 +323,18 @@ def _error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port: give 0-65535")
+    return int(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m app.serve", description="OpenAI-compatible server for "
                                      "Qwen3.5 / Qwen3.6 (chat completions with images, videos, tools)")  # fmt: skip
     add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=_port, default=8000, help="TCP port, 0-65535 (default: 8000)")
     parser.add_argument("--api-key", default=os.environ.get("QWEN35_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $QWEN35_API_KEY; none: open)")
     parser.add_argument("--served-model-name", default=None,

@@ -7,6 +7,7 @@ prefix cache (a chat's later turns reuse the earlier ones) and a cache of vision
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Generator, Sequence
@@ -24,6 +25,7 @@ from .engine_requests import VisionCache, engine_prompt
 from .loading import load_model
 from .model import VLModel
 from .processor import Conversation, ModelInputs, Processor, PromptTooLongError
+from .processor import _as_batch as as_batch
 from .tokenizer_check import TokenizerMismatchError, check_tokenizer
 
 # Model-card sampling presets of Qwen3.5 / Qwen3.6 (thinking and non-thinking "instruct" mode).
@@ -32,6 +34,9 @@ PRESETS = {
     "instruct": dict(temperature=0.7, top_p=0.8, top_k=20, min_p=0.0, presence_penalty=1.5),
     "greedy": dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0),
 }
+# Unicode normalization (the Qwen tokenizer's NFC) makes a text at most this many times fewer bytes
+# (three Hangul jamo of 3 bytes each compose into one syllable of 3).
+NORMALIZED_SHRINK = 3
 
 
 @dataclass
@@ -95,6 +100,8 @@ class Pipeline:
             raise ValueError(f"max_new_tokens={params.max_new_tokens} leaves no room in the model's context "
                              f"of {self.max_context} tokens")  # fmt: skip
         try:
+            for i, conversation in enumerate(as_batch(conversations)):
+                self._check_text_size(conversation, room, i)
             inputs = self.processor(list(conversations), enable_thinking=enable_thinking, max_length=room,
                                     template_kwargs=template_kwargs)  # fmt: skip
         except PromptTooLongError as e:
@@ -102,6 +109,24 @@ class Pipeline:
                                      f"max_new_tokens={params.max_new_tokens} are kept for the answer") from e
         device = self.model.lm.lm_head.weight.device
         return inputs.to(device, self.model.lm.compute_dtype)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token of the tokenizer stands for (or more: a byte-level symbol
+        counts as its character's UTF-8 bytes)."""
+        return max(len(token.encode()) for token in self.processor.tokenizer.get_vocab())
+
+    def _check_text_size(self, conversation: Conversation, room: int, index: int) -> None:
+        """Refuse, before tokenizing it (a 10 MB message takes seconds), a conversation whose text
+        alone is more tokens than `room` at the fewest tokens its bytes can make."""
+        size = _text_bytes(conversation)
+        if size <= room:  # (a quick way out: such a text is too few tokens whatever the tokenizer)
+            return
+        least = size // (NORMALIZED_SHRINK * self.max_token_bytes)
+        if least > room:
+            raise PromptTooLongError(
+                f"conversation {index}: the prompt is at least {least} tokens ({size} bytes of text, a token "
+                f"stands for at most {self.max_token_bytes}), longer than the {room} allowed")  # fmt: skip
 
     @property
     def engine(self) -> Engine:
@@ -217,6 +242,17 @@ class Answer:
         timings = dict(prefill=first - self.start, decode=end - first, total=end - self.start)
         return Output(answer, thinking, list(self.tokens), int(self.inputs.attention_mask[0].sum()), len(self.tokens),
                       self.request.finish_reason or "stop", timings, self.request.cached_tokens)  # fmt: skip
+
+
+def _text_bytes(conversation: Conversation) -> int:
+    """UTF-8 bytes of a conversation's text: string contents and text parts (no media, no tools)."""
+    total = 0
+    for message in conversation:
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in [content] if isinstance(content, str) else content if isinstance(content, list) else []:
+            text = part.get("text") if isinstance(part, dict) else part
+            total += len(text.encode()) if isinstance(text, str) else 0
+    return total
 
 
 def _thinking_open(prompt: str) -> bool:

@@ -79,6 +79,20 @@ def test_prompt_longer_than_the_context_is_refused(pipeline):
         small.generate([_ask("word " * 100)], SamplingParams(max_new_tokens=8))
 
 
+def test_a_huge_text_is_refused_before_it_is_tokenized(pipeline, monkeypatch):
+    """A 10 MB message once took 12 s of tokenizing before the length check (issue 43): the fewest
+    tokens its bytes can make already exceed the context."""
+    small = Pipeline(pipeline.model, pipeline.processor, max_context=2048)
+    monkeypatch.setattr(small.processor, "_tokenize", lambda *a: pytest.fail("tokenized"))
+    huge = [{"role": "user", "content": [{"type": "text", "text": "hello world " * 900_000}]}]
+    with pytest.raises(PromptTooLongError, match=r"at least \d+ tokens \(10800000 bytes of text.*context is 2048"):
+        small.prepare(huge, SamplingParams(max_new_tokens=8), None)
+    monkeypatch.undo()
+    near = [{"role": "user", "content": "word " * 3000}]  # 15,000 bytes: could fit, so it is tokenized
+    with pytest.raises(PromptTooLongError, match=r"the prompt is 30\d\d tokens"):
+        small.prepare(near, SamplingParams(max_new_tokens=8), None)
+
+
 def test_stream_returns_its_output_and_takes_template_variables(pipeline):
     conv, params = _ask("Say hello."), SamplingParams(max_new_tokens=8)
     pieces = pipeline.stream(conv, params, enable_thinking=False)
