@@ -63,7 +63,11 @@ def fast_block(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: 
         qk = rotate_into(qkv[:, :2], cos, sin, ws.get("qk", (n, 2, heads, head_dim)))  # [N, 2, H, D]
     else:  # the reference rotates in float32 and rounds back
         qk = apply_rotary(qkv[:, :2], cos, sin)
-    o = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], segments)  # [N, C]
+    if compute == "bf16" and x.dtype == torch.float32:  # bf16 inputs, float32 softmax and sums inside SDPA
+        q, k, v = (t.to(torch.bfloat16) for t in (qk[:, 0], qk[:, 1], qkv[:, 2]))
+        o = segment_attention(q, k, v, segments).float()  # [N, C]
+    else:
+        o = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], segments)  # [N, C]
     _add_affine(x, o, attn.proj, compute)
     h = F.layer_norm(x, (c,), block.norm2.weight, block.norm2.bias, block.norm2.eps)
     fc1 = mlp.linear_fc1

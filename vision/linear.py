@@ -4,7 +4,8 @@ equal those of a float32 tower holding the same (bf16) weights.
 
 With the "bf16" compute format (`VisionModel.compute`, chosen at load) the products take bf16
 inputs and weights with float32 sums (torch's bf16 GEMM: oneDNN, AMX or AVX512-BF16 where the CPU
-has them) and give float32 outputs; the residual stream, norms and attention stay float32."""
+has them) and give float32 outputs; attention takes bf16 queries, keys and values (torch's SDPA,
+float32 softmax and sums); the residual stream and norms stay float32."""
 
 from __future__ import annotations
 

@@ -1,0 +1,118 @@
+"""Time to the first token: LM prefill and the vision tower per compute format (lm/kernels/compute.py).
+
+    python -m bench.ttft [--checkpoint DIR] [--weights bf16,int8,int4] [--tokens 512,2048]
+                         [--vision-depth 6] [--rounds 2]
+
+LM prefill: one prompt of each length (last token's logits, as llama-bench's pp), for each weight
+format loaded once per compute format (fp32, and the others that apply); the formats take turns,
+best of `--rounds`. Default checkpoint: a random one with bench/lm.py's proportions (bench.formats),
+written to a temporary folder. Vision: the Qwen3.5-35B-A3B tower's sizes (hidden 1152, depth 27;
+`--vision-depth` blocks are built and the time scaled to 27, each block costing the same) on a
+1024 x 1024 image (4,096 patches, 1,024 LM tokens), float32 against bf16 products.
+
+Each figure is printed beside its ratio to fp32 compute and its share of the compute limit of the
+instruction used, as probed here right before: torch's float32 SGEMM, its bf16 GEMM (oneDNN: AMX or
+AVX512-BF16 where present) and `torch._int_mm` (int8) on 2048^3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import mm
+from bench.formats import make_checkpoint
+from bench.lm import prefill_flops
+from bench.limits import best_time
+from bench.vision import build_towers, vision_flops
+
+COMPUTES = {"bf16": ("fp32", "bf16"), "int8": ("fp32", "bf16", "int8"), "int4": ("fp32", "bf16", "int8")}
+
+
+def peaks(n: int = 2048) -> dict[str, float]:
+    """FLOP/s (int8: OP/s) of torch's GEMMs on n^3 per compute format: the limits the figures are shares of."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    a8, b8 = torch.randint(-127, 127, (n, n), dtype=torch.int8), torch.randint(-127, 127, (n, n), dtype=torch.int8)
+    out = {"fp32": 2 * n**3 / best_time(lambda: a @ b), "bf16": 2 * n**3 / best_time(lambda: a16 @ b16)}
+    try:
+        out["int8"] = 2 * n**3 / best_time(lambda: torch._int_mm(a8, b8))
+    except RuntimeError:
+        out["int8"] = float("nan")
+    return out
+
+
+def lm_prefill(path: Path, weights: list[str], tokens: list[int], rounds: int, limit: dict) -> None:
+    for fmt in weights:
+        models = {c: mm.load_model(path, weights=fmt, compute=c) for c in COMPUTES[fmt]}
+        for t in tokens:
+            ids = torch.randint(3, 30000, (1, t), generator=torch.Generator().manual_seed(t))
+            best = dict.fromkeys(models, float("inf"))
+            with torch.no_grad():
+                for model in models.values():
+                    model.lm(ids, last_only=True)  # warm-up
+                for _ in range(rounds):
+                    for c, model in models.items():
+                        best[c] = min(best[c], best_time(lambda: model.lm(ids, last_only=True), repeats=1, warmup=0))
+            flops = prefill_flops(next(iter(models.values())), t)
+            for c, seconds in best.items():
+                share = flops / seconds / limit[c]
+                print(f"prefill {t:5d} tokens, {fmt} weights, {c:4s} compute: {t / seconds:7.1f} tok/s "
+                      f"({best['fp32'] / seconds:.2f}x fp32 compute; {share:.0%} of the {c} GEMM limit)")
+        del models
+
+
+def vision(depth: int, rounds: int, limit: dict) -> None:
+    ours, _ = build_towers(depth)
+    side = 1024
+    grid = (1, side // 16, side // 16)
+    pixels, grid_thw = torch.randn(grid[1] * grid[2], ours.config.patch_dim), torch.tensor([grid])
+    times = {}
+    with torch.inference_mode():
+        for c in ("fp32", "bf16"):
+            ours.compute = c
+            ours(pixels, grid_thw)
+            times[c] = min(best_time(lambda: ours(pixels, grid_thw), repeats=1, warmup=0) for _ in range(rounds))
+        ours.compute = "fp32"
+        exact = ours(pixels, grid_thw)
+        ours.compute = "bf16"
+        err = float((ours(pixels, grid_thw) - exact).abs().max() / exact.abs().max())
+    flops = vision_flops(ours.config, grid)
+    for c, seconds in times.items():
+        full = seconds * 27 / depth
+        print(f"vision tower, 1,024-token image, {c} compute: {full:.2f} s at depth 27 ({depth} blocks timed; "
+              f"{times['fp32'] / seconds:.2f}x fp32; {flops / seconds / limit[c]:.0%} of the {c} GEMM limit)")
+    print(f"vision tower bf16 features against fp32: max error {err:.2e} of their range")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", type=Path, default=None)
+    parser.add_argument("--weights", default="bf16,int8,int4")
+    parser.add_argument("--tokens", default="512")
+    parser.add_argument("--vision-depth", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=32768, help="vocabulary of the default checkpoint")
+    args = parser.parse_args()
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    from lm import kernels
+
+    module = kernels._kernels()
+    limit = peaks()
+    print(f"threads {torch.get_num_threads()}, AMX products {bool(module and module.amx_ready())}; GEMM limits "
+          + ", ".join(f"{c} {v / 1e9:.0f} G/s" for c, v in limit.items()))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.checkpoint or make_checkpoint(Path(tmp) / "bench", args.vocab)
+        started = time.perf_counter()
+        lm_prefill(path, args.weights.split(","), [int(t) for t in args.tokens.split(",")], args.rounds, limit)
+        print(f"(LM part {time.perf_counter() - started:.0f} s)")
+    if args.vision_depth:
+        vision(args.vision_depth, args.rounds, limit)
+
+
+if __name__ == "__main__":
+    main()
