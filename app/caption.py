@@ -23,6 +23,7 @@ from typing import TypeVar
 
 from tqdm import tqdm
 
+from mm import ModelConfig
 from preprocess.video import MIN_FRAMES
 
 from .caption_inputs import expand_inputs, in_shard, parse_shard
@@ -89,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     A missing input, an unusable model or output file ends it with a one-line `error:` message."""
     args = parse_args(argv)
     model_path = _checked(lambda: check_model(args.model))  # fail (or announce the random model) before any work
+    context = ModelConfig.from_pretrained(model_path).text.max_position_embeddings  # (read by check_model)
+    if args.max_new_tokens >= context:
+        raise SystemExit(f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a video in the "
+                         f"model's context of {context} tokens")  # fmt: skip
     paths = _checked(lambda: [p for p in expand_inputs(args.inputs) if in_shard(p, *args.shard)])
     with _checked(lambda: CaptionStore(args.out)) as store:
         todo = [p for p in paths if p not in store.captioned and (args.retry_errors or p not in store.failed)]
@@ -97,9 +102,6 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         pipeline = _checked(lambda: load_pipeline(model_path, device=args.device, dtype=args.dtype, weights=args.weights,
                                                          engine_options=engine_options(args), compute=args.compute))
-        if args.max_new_tokens >= pipeline.max_context:
-            raise SystemExit(f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a video in the "
-                             f"model's context of {pipeline.max_context} tokens")  # fmt: skip
         params = pipeline.default_params(args.preset, max_new_tokens=args.max_new_tokens, seed=args.seed)
         job = CaptionJob(args.prompt, params, args.thinking, args.fps, args.max_frames)
         with tqdm(total=len(todo), unit="video", dynamic_ncols=True, smoothing=0.1) as bar:

@@ -22,11 +22,13 @@ class CaptionStore:
     without its newline (a torn write) is cut off, with a note on stderr. Any other line that is
     not a JSON object with a "path" means the file is not ours: ValueError naming the line. The file
     is locked (flock) while open, so a second captioner on the same output fails instead of interleaving.
+    A file this store made and never wrote to (a run refused before its first video) is removed on close.
     """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._created, self._locked = not self.path.exists(), False
         self._file = open(self.path, "a", encoding="utf-8")
         try:
             self._lock()
@@ -35,7 +37,7 @@ class CaptionStore:
             self.captioned: set[str] = {record["path"] for record in records if record.get("error") is None}
             self.failed: set[str] = self.done - self.captioned
         except BaseException:
-            self._file.close()
+            self.close()
             raise
 
     def write(self, record: dict[str, Any]) -> None:
@@ -52,6 +54,8 @@ class CaptionStore:
             self.failed.add(record["path"])
 
     def close(self) -> None:
+        if self._created and self._locked and not self._file.closed and self._file.tell() == 0:
+            self.path.unlink(missing_ok=True)  # (still locked: no other captioner has it)
         self._file.close()
 
     def __enter__(self) -> "CaptionStore":
@@ -66,6 +70,7 @@ class CaptionStore:
         except BlockingIOError:
             raise RuntimeError(f"{self.path} is being written by another captioner; give each process (shard) "
                                "its own --out file") from None
+        self._locked = True
 
     def _read_and_repair(self) -> list[dict[str, Any]]:
         data = self.path.read_bytes()

@@ -15,7 +15,7 @@ import gradio as gr
 
 from mm import PRESETS, Pipeline
 
-from .demo_chat import MODEL_DEFAULT, error_message, sampling_params, stream_reply, user_message
+from .demo_chat import MODEL_DEFAULT, error_message, sampling_params, stopped_reply, stream_reply, user_message
 from .default_model import RANDOM_WEIGHTS_NOTICE
 from .loading import add_model_arguments, check_model, device_problem, engine_options, load_pipeline
 
@@ -58,7 +58,8 @@ def build_demo(pipeline: Pipeline, *, notice: str | None = None, title: str = "Q
                 controls = _controls(defaults, max_new_tokens, pipeline.max_context, enable_thinking)
         chat = textbox.submit(_responder(pipeline), [textbox, chatbot, *controls.values()], [textbox, chatbot],
                               api_name=API_NAME)  # fmt: skip
-        stop.click(None, None, None, cancels=[chat], api_visibility="private")
+        # the cancelled reply sends nothing more: its pending thinking block (a spinner) is closed here
+        stop.click(stopped_reply, chatbot, chatbot, cancels=[chat], queue=False, api_visibility="private")
         clear.click(lambda: ([], None), None, [chatbot, textbox], cancels=[chat], api_name="clear")
         preset_outputs = [controls[k] for k in ("temperature", "top_p", "top_k", "presence_penalty", "thinking")]
         controls["preset"].change(_preset_values, controls["preset"], preset_outputs, api_visibility="private")
@@ -157,7 +158,18 @@ def main(argv: list[str] | None = None) -> None:
     title = f"Qwen3.5 / Qwen3.6 chat: {Path(path).name}"
     demo = build_demo(pipeline, title=title, max_new_tokens=args.max_new_tokens, concurrency_limit=args.concurrency,
                       **first_impression(args.model))  # fmt: skip
-    demo.launch(server_name=args.host, server_port=args.port, share=args.share, max_file_size=args.max_file_size)
+    launch(demo, host=args.host, port=args.port, share=args.share, max_file_size=args.max_file_size)
+    demo.block_thread()
+
+
+def launch(demo: gr.Blocks, *, host: str, port: int, share: bool, max_file_size: str) -> None:
+    """Start serving `demo` in the background and say where. Gradio's own lines are silenced: they
+    advise to "set `share=True` in `launch()`", which is no option of this command (--share is)."""
+    demo.launch(server_name=host, server_port=port, share=share, max_file_size=max_file_size, quiet=True,
+                prevent_thread_lock=True)  # fmt: skip
+    print(f"The demo runs at {demo.local_url}", flush=True)
+    print(f"Public link: {demo.share_url}" if share else "For a public gradio.live link as well, pass --share.",
+          flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ THINKING_TITLE = "Thinking"
 ERROR_TITLE = "Error"
 MODEL_DEFAULT = "model default"  # the preset choice that means the checkpoint's generation_config.json
 UNFINISHED_LOG = "unfinished: the reply ended before the model closed its thinking, so there is no answer"
+STOPPED_LOG = "stopped"
 # where mm.chat says a problem sits: "conversation 0, message 2, part 1: "
 _WHERE = re.compile(r"^conversation \d+(?:, message (\d+), part (\d+))?: ")
 log = logging.getLogger(__name__)
@@ -91,6 +92,19 @@ def answer_messages(text: str, thinking: bool, seconds: float, finished: bool) -
     if answer or not thinking:
         messages.append({"role": "assistant", "content": answer})
     return messages
+
+
+def stopped_reply(history: list[Message] | None) -> list[Message]:
+    """The chat when Stop cancels a reply: a thinking block still pending (its spinner would turn
+    forever, as no update follows a cancelled reply) is marked stopped and shown open."""
+    out = []
+    for message in history or []:
+        metadata = message.get("metadata") or {}
+        if metadata.get("status") == "pending":
+            metadata = {key: value for key, value in metadata.items() if key != "status"}
+            message = {**message, "metadata": {**metadata, "log": STOPPED_LOG}}
+        out.append(message)
+    return out
 
 
 def error_message(error: Exception, conversation: list[Message] | None = None) -> Message:

@@ -32,7 +32,7 @@ from mm.processor import PromptTooLongError
 
 from . import serve_response as shape
 from .openai_protocol import APIError, ChatCompletionRequest, NamedToolChoice, bad_request, parse_request
-from .loading import add_model_arguments, engine_options, load_pipeline, resolve_model
+from .loading import add_model_arguments, check_model, engine_options, load_pipeline
 from .reasoning import prompt_opens_thinking
 from .serve_backend import Backend, Generation, ServerBusy
 from .tool_choice import ToolCallRule
@@ -401,7 +401,7 @@ def _is_loopback(host: str) -> bool:
 
 def build_server(args: argparse.Namespace) -> tuple[FastAPI, Backend]:
     """Load the model named by `args` and make the app (no serving yet)."""
-    path = resolve_model(args.model)  # prints the random-weights notice when no --model
+    path = check_model(args.model)  # config.json and tokenizer first; the random-weights notice when no --model
     load_args = dict(device=args.device, dtype=args.dtype, weights=args.weights, engine_options=engine_options(args),
                      compute=args.compute)
     pipeline = load_pipeline(path, **load_args)

@@ -8,7 +8,8 @@ tokens may come next, so that the answer is one well-formed Qwen3 XML call (app/
 
 - the thinking (when the prompt opened it) is free, up to `</think>`;
 - the fixed parts are forced token by token; NAME is one of the allowed tools and P one of that
-  tool's parameters (a choice among the tokenisations of the alternatives);
+  tool's parameters not given yet (a choice among the tokenisations of the alternatives); the call
+  closes (`</function>`) only once every parameter its schema lists as `required` is given;
 - a VALUE is free text, ended by the model's `\\n</parameter>`, or forced closed after
   `value_tokens` tokens; the turn cannot end inside the call;
 - after `</tool_call>` the turn ends.
@@ -29,8 +30,11 @@ class ToolCallRule:
                  value_tokens: int = 512):  # fmt: skip
         self.encode = lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
         self.decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)
-        self.params = {t["function"]["name"]: list((t["function"].get("parameters") or {}).get("properties") or {})
-                       for t in tools}  # fmt: skip
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
+        self.required = {name: _required(name, schema) for name, schema in schemas.items()}
+        self.params = {name: list(dict.fromkeys([*(schema.get("properties") or {}), *self.required[name]]))
+                       for name, schema in schemas.items()}  # fmt: skip
+        self.given: set[str] = set()  # the parameters of the call so far
         self.end_ids, self.value_tokens = tuple(end_ids), value_tokens
         self.seen = 0  # tokens of the answer already processed
         self.state = "thinking" if in_thinking else "open"
@@ -78,19 +82,24 @@ class ToolCallRule:
             self.state = "name"
             self._expect([(self.encode(f"{name}>\n"), f"tool:{name}") for name in self.params])
         elif after.startswith("tool:"):
-            self.tool = after[5:]
+            self.tool, self.given = after[5:], set()
             self._parameters()
         elif after == "parameters":
             self._parameters()
-        elif after == "value":
+        elif after.startswith("value:"):
             self.state, self.value = "value", []
+            self.given.add(after[6:])
         elif after == "end":
             self.state = "end"
 
     def _parameters(self) -> None:
+        """Next: a parameter not given yet, or the end of the call once every required one is given."""
         self.state = "parameters"
-        options = [(self.encode(f"<parameter={p}>\n"), "value") for p in self.params[self.tool]]
-        self._expect(options + [(self.encode("</function>\n</tool_call>"), "end")])
+        left = [p for p in self.params[self.tool] if p not in self.given]
+        options = [(self.encode(f"<parameter={p}>\n"), f"value:{p}") for p in left]
+        if self.given.issuperset(self.required[self.tool]):
+            options.append((self.encode("</function>\n</tool_call>"), "end"))
+        self._expect(options)
 
     def _rule(self) -> TokenRule | None:
         if self.state == "thinking":
@@ -102,3 +111,11 @@ class ToolCallRule:
             allow = {ids[n] for ids, _ in self.forcing if len(ids) > n and ids[:n] == tuple(self.taken)}
             return TokenRule(allow=tuple(sorted(allow)))
         return TokenRule(ban=self.end_ids)  # inside a value: the turn cannot end here
+
+
+def _required(name: str, schema: dict[str, Any]) -> list[str]:
+    """The parameters a tool's JSON schema lists as required."""
+    required = schema.get("required") or []
+    if not isinstance(required, list) or not all(isinstance(p, str) for p in required):
+        raise ValueError(f"tool {name!r}: parameters.required must be a list of parameter names")
+    return required

@@ -52,7 +52,15 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
-        return cls.from_hf(read_config_json(path))
+        """The config of a checkpoint directory; ConfigError naming its config.json for any value it
+        cannot read (a string where a number belongs, a list where an object does, ...)."""
+        config = read_config_json(path)
+        try:
+            return cls.from_hf(config)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            raise ConfigError(f"{Path(path) / 'config.json'}: a value of the wrong kind ({type(e).__name__}: {e})") from e
 
 
 def read_config_json(path: str | Path) -> dict:

@@ -21,6 +21,7 @@ from lm import SamplingParams
 from lm.scheduler import Engine
 
 from .chat import split_thinking
+from .config import ModelConfig
 from .engine_requests import VisionCache, engine_prompt
 from .loading import load_model
 from .model import VLModel
@@ -69,13 +70,19 @@ class Pipeline:
         self.assistant_start = processor.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None,
+    def from_pretrained(cls, path: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None,
                         weights: str = "auto", engine_options: dict[str, Any] | None = None,
                         compute: str = "auto") -> "Pipeline":
-        """The pipeline of a checkpoint directory; `weights` the storage format of the large weights
-        (see `mm.load_model`), `compute` how prefill and the vision tower multiply (the same). The
-        processor loads first, so that a checkpoint without its
-        tokenizer files fails before its weights are read."""
+        """The pipeline of a checkpoint directory (None: the built-in default model, tiny, with RANDOM
+        weights, as the front ends take it; said on stderr); `weights` the storage format of the
+        large weights (see `mm.load_model`), `compute` how prefill and the vision tower multiply (the
+        same). The config is read first (a ConfigError naming what is wrong in config.json), then the
+        processor, so that a checkpoint without its tokenizer files fails before its weights are read."""
+        if path is None:  # the built-in model is the front ends' (app/default_model.py builds it with transformers)
+            from app.loading import resolve_model
+
+            path = resolve_model(None)
+        ModelConfig.from_pretrained(path)
         processor = Processor.from_pretrained(path)
         model = load_model(path, device=device, dtype=dtype, weights=weights, compute=compute)
         try:

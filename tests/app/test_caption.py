@@ -171,7 +171,18 @@ def test_options_are_checked_before_any_video_is_read(folder, tmp_path, capsys):
     with pytest.raises(SystemExit, match="error: --max-new-tokens 40000 leaves no room for a video in the model's "
                                          "context of 32768 tokens"):  # fmt: skip
         caption.main([str(folder), "--out", str(out), "--max-new-tokens", "40000"])
-    assert not out.exists() or out.read_text() == ""  # no video was touched, no record written
+    assert not out.exists()  # refused before the output was opened (issue 43)
+
+
+def test_a_store_that_wrote_nothing_leaves_no_file(tmp_path):
+    made, kept = tmp_path / "new.jsonl", tmp_path / "old.jsonl"
+    kept.write_text("")
+    for path in (made, kept):
+        CaptionStore(path).close()
+    assert not made.exists() and kept.exists()
+    with CaptionStore(made) as store:
+        store.write({"path": "/v.mp4", "error": None})
+    assert read_records(made) == [{"path": "/v.mp4", "error": None}]
 
 
 def test_retry_errors_redoes_only_failed_videos(tmp_path, capsys):

@@ -7,8 +7,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from app.demo import RANDOM_MODEL_THINKING_NOTICE, first_impression
-from app.demo_chat import ERROR_TITLE, THINKING_TITLE, UNFINISHED_LOG, stream_reply, user_message
+from app.demo import RANDOM_MODEL_THINKING_NOTICE, build_demo, first_impression, launch
+from app.demo_chat import (ERROR_TITLE, STOPPED_LOG, THINKING_TITLE, UNFINISHED_LOG, stopped_reply, stream_reply,
+                           user_message)  # fmt: skip
+from tests.app.serve_helpers import free_port
 from lm import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
@@ -57,3 +59,33 @@ def test_random_model_starts_with_thinking_off_and_says_why():
     random = first_impression(None)
     assert random["enable_thinking"] is False and RANDOM_MODEL_THINKING_NOTICE in random["notice"]
     assert first_impression("/models/Qwen3.5-0.8B") == {"notice": None, "enable_thinking": True}
+
+
+def test_stop_during_thinking_leaves_no_spinner(pipeline):
+    """Stop cancels the reply mid-thinking; its handler closes the pending block (issue 43)."""
+    history = [user_message("Hi", [])]
+    replies = stream_reply(pipeline, history, GREEDY, thinking=True, fps=4.0, max_frames=8)
+    shown = next(replies)  # what the chat shows when Stop is clicked
+    replies.close()
+    assert shown[-1]["metadata"]["status"] == "pending"
+    thought = stopped_reply(shown)[-1]
+    assert "status" not in thought["metadata"] and thought["metadata"]["log"] == STOPPED_LOG
+    assert thought["content"] == shown[-1]["content"] and stopped_reply(None) == []
+    demo = build_demo(pipeline)  # the Stop click runs it beside the cancel of the chat event
+    [stop_id] = [i for i, block in demo.fns.items() if block.fn is stopped_reply]
+    [chat_id] = [i for i, block in demo.fns.items() if getattr(block.fn, "__name__", "") == "chat"]
+    on = {d["id"]: d for d in demo.config["dependencies"]}
+    assert any(d["cancels"] == [chat_id] and d["targets"] == on[stop_id]["targets"] for d in on.values())
+
+
+def test_launch_names_the_share_option_not_gradios(capsys):
+    import gradio as gr
+
+    with gr.Blocks(analytics_enabled=False) as demo:
+        gr.Markdown("hi")
+    try:
+        launch(demo, host="127.0.0.1", port=free_port(), share=False, max_file_size="1mb")
+    finally:
+        demo.close()
+    out = capsys.readouterr().out
+    assert "pass --share" in out and "share=True" not in out and "http://127.0.0.1:" in out

@@ -1,4 +1,5 @@
-"""The server's edges that need no model: a client gone mid-upload, an out-of-range --port."""
+"""The server's edges that need no model: a client gone mid-upload, an out-of-range --port, an
+invalid config.json."""
 
 from __future__ import annotations
 
@@ -39,3 +40,12 @@ def test_a_port_out_of_range_is_one_clear_line():
                           cwd=REPO, timeout=120)  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].endswith("argument --port: '99999' is not a TCP port: give 0-65535")
+
+
+def test_an_invalid_config_is_one_clear_line(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_5_moe", "text_config": {"num_hidden_layers": "x"}}')
+    done = subprocess.run([sys.executable, "-m", "app.serve", "--model", str(tmp_path)], capture_output=True,
+                          text=True, cwd=REPO, timeout=120)  # fmt: skip
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == (f"error: {tmp_path / 'config.json'}: a value of the wrong kind (ValueError: "
+                                   "invalid literal for int() with base 10: 'x')")

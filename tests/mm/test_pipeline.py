@@ -5,6 +5,7 @@ import pytest
 
 from app.default_model import default_model_path
 from lm import SamplingParams
+from lm.config import ConfigError
 from mm import Pipeline
 from mm.processor import PromptTooLongError
 
@@ -91,6 +92,15 @@ def test_a_huge_text_is_refused_before_it_is_tokenized(pipeline, monkeypatch):
     near = [{"role": "user", "content": "word " * 3000}]  # 15,000 bytes: could fit, so it is tokenized
     with pytest.raises(PromptTooLongError, match=r"the prompt is 30\d\d tokens"):
         small.prepare(near, SamplingParams(max_new_tokens=8), None)
+
+
+def test_no_path_is_the_builtin_random_model_and_a_bad_config_is_named(pipeline, capsys, tmp_path):
+    """As the front ends: no path loads the built-in default model and says its weights are random."""
+    builtin = Pipeline.from_pretrained()
+    assert builtin.model.config == pipeline.model.config and "RANDOM weights" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_5_moe", "text_config": []}')
+    with pytest.raises(ConfigError, match="text_config must be a JSON object"):
+        Pipeline.from_pretrained(tmp_path)
 
 
 def test_stream_returns_its_output_and_takes_template_variables(pipeline):
