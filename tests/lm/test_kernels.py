@@ -299,14 +299,16 @@ def test_fused_rms_norm_and_multi_linear_equal_reference(monkeypatch):
         assert rel_err(y, F.linear(xs, w)) < 1e-5
 
 
-@pytest.mark.parametrize("t", [5, 32, 77])
-def test_chunked_delta_rule_kernel_equals_reference(monkeypatch, t):
+@pytest.mark.parametrize("t, strength", [(5, 1.0), (32, 1.0), (77, 1.0), (77, 12.0)])
+def test_chunked_delta_rule_kernel_equals_reference(monkeypatch, t, strength):
+    """strength 12: decays that reach below the smallest normal float within a chunk (the kernel
+    flushes such denormals to zero, lm/kernels/chunked_delta_rule.cpp)."""
     from lm.delta_rule import _prepare, chunked_gated_delta_rule
 
     g = torch.Generator().manual_seed(t)
     q, k = torch.randn(2, t, 2, 16, generator=g), torch.randn(2, t, 2, 16, generator=g)
     v = torch.randn(2, t, 4, 24, generator=g)
-    decay, beta = -F.softplus(torch.randn(2, t, 4, generator=g)), torch.rand(2, t, 4, generator=g)
+    decay, beta = -strength * F.softplus(torch.randn(2, t, 4, generator=g)), torch.rand(2, t, 4, generator=g)
     state = torch.randn(2, 4, 16, 24, generator=g)
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
     assert kernels.chunked_delta_rule(*_prepare(q, k, v, decay, beta), state, 32) is not None
