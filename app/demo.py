@@ -16,7 +16,7 @@ import gradio as gr
 from mm import PRESETS, Pipeline
 
 from .demo_chat import MODEL_DEFAULT, error_message, sampling_params, stopped_reply, stream_reply, user_message
-from .default_model import RANDOM_WEIGHTS_NOTICE
+from mm.default_model import RANDOM_WEIGHTS_NOTICE
 from .loading import add_model_arguments, check_model, device_problem, engine_options, load_pipeline
 
 MAX_FILE_SIZE = "200mb"

@@ -14,7 +14,7 @@ from lm.kernels.build import prebuild
 from mm import ModelConfig, Pipeline
 from mm.tokenizer_check import check_tokenizer_files
 
-from .default_model import RANDOM_WEIGHTS_NOTICE, default_model_path
+from mm.default_model import RANDOM_WEIGHTS_NOTICE, default_model_path
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

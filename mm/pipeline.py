@@ -8,6 +8,7 @@ prefix cache (a chat's later turns reuse the earlier ones) and a cache of vision
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import time
 from collections.abc import Generator, Sequence
@@ -22,6 +23,7 @@ from lm.scheduler import Engine
 
 from .chat import split_thinking
 from .config import ModelConfig
+from .default_model import RANDOM_WEIGHTS_NOTICE, default_model_path
 from .engine_requests import VisionCache, engine_prompt
 from .loading import load_model
 from .model import VLModel
@@ -78,10 +80,9 @@ class Pipeline:
         large weights (see `mm.load_model`), `compute` how prefill and the vision tower multiply (the
         same). The config is read first (a ConfigError naming what is wrong in config.json), then the
         processor, so that a checkpoint without its tokenizer files fails before its weights are read."""
-        if path is None:  # the built-in model is the front ends' (app/default_model.py builds it with transformers)
-            from app.loading import resolve_model
-
-            path = resolve_model(None)
+        if path is None:  # the built-in model, as the front ends take it (mm/default_model.py)
+            print(f"WARNING: {RANDOM_WEIGHTS_NOTICE}", file=sys.stderr, flush=True)
+            path = default_model_path()
         ModelConfig.from_pretrained(path)
         processor = Processor.from_pretrained(path)
         model = load_model(path, device=device, dtype=dtype, weights=weights, compute=compute)
