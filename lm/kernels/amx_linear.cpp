@@ -1,8 +1,8 @@
 // Prefill products in bf16 on AMX tiles (Intel Sapphire Rapids and later): y = x W^T for many rows
 // of x, W in any format of formats.h, float32 in and out, float32 accumulation in the tiles.
 //
-// The weights are never copied whole: each thread takes 128 rows of W at a time, converts them
-// through the format's to_float into a bf16 panel in its own scratch (L2-sized) and multiplies every
+// The weights are never copied whole: each thread takes 128 rows of W at a time, decodes them with
+// the format's traits (formats.h) into a bf16 panel in its own scratch (L2-sized) and multiplies every
 // row of x with it. x is rounded to bf16 once per call and laid out as the tiles' B operand (pairs
 // of k per token: [K/2][M][2]); the panel rows are the A operand as they are (row-major bf16). So a
 // tile product C[16 weight rows][16 tokens] += A[16][32 k] B[16 k pairs][16 tokens][2], four of them
@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 using namespace qwen35;
@@ -65,6 +66,62 @@ inline void to_bf16_rows(const float* in, int64_t rows, int64_t K, int64_t Kp, u
     }
     std::memset(dst + K, 0, (Kp - K) * sizeof(uint16_t));
   }
+}
+
+// 32 weights decoded by a format's traits (two vectors of 16 floats) -> 32 bf16 at out.
+inline void store_bf16(const wvec* v, uint16_t* out) {
+  static_assert(NB == 2, "the AMX products are built with 16-float vectors");
+  _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh((__m512)v[1], (__m512)v[0]));
+}
+
+// Rows [0, N) of w (format T, rows one after another) as bf16 rows, ld apart, zero past K to Kp.
+template <class T>
+void rows_to_bf16(const Rows& w, int64_t N, int64_t K, int64_t Kp, uint16_t* out, int64_t ld) {
+  wvec v[NB];
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* r = w.row(n);
+    uint16_t* o = out + n * ld;
+    int64_t b = 0;
+    for (; (b + 1) * QK <= K; ++b) {
+      T::load(r, b, v);
+      store_bf16(v, o + b * QK);
+    }
+    for (int64_t k = b * QK; k < K; ++k) {  // float formats: a tail
+      const __m128bh h = _mm_cvtneps_pbh(_mm_set_ss(T::at(r, k)));
+      o[k] = static_cast<uint16_t>(_mm_cvtsi128_si32((__m128i)h));
+    }
+    std::memset(o + K, 0, (Kp - K) * sizeof(uint16_t));
+  }
+}
+
+// Groups of 8 rows of a block format T (Q8_0 / Q4_0) or BF16_G8 from w.row(0) as bf16 rows, ld apart.
+template <class T>
+void group_rows_to_bf16(const Rows& w, int64_t N, int64_t K, uint16_t* out, int64_t ld) {
+  uint8_t block[T::block_bytes];
+  wvec v[NB];
+  for (int64_t g = 0; g < N / RG; ++g)
+    for (int64_t b = 0; b < K / QK; ++b)  // the group read in order, written to its 8 rows
+      for (int r = 0; r < RG; ++r) {
+        if constexpr (std::is_same_v<T, TraitsBF16G8>) {
+          T::load(w.row(g * RG) + r * QK * 2, b, v);
+        } else {
+          block_of<T>(w.row(g * RG), b, r, block);
+          T::load(block, 0, v);
+        }
+        store_bf16(v, out + (g * RG + r) * ld + b * QK);
+      }
+}
+
+// Rows [0, N) of a weight in any format as bf16 rows [N][ld] (K % 32 == 0 for the grouped formats).
+void weight_to_bf16(const Rows& w, int64_t N, int64_t K, int64_t Kp, uint16_t* out, int64_t ld) {
+  switch (w.fmt) {
+    case F32: rows_to_bf16<TraitsF32>(w, N, K, Kp, out, ld); break;
+    case BF16: rows_to_bf16<TraitsBF16>(w, N, K, Kp, out, ld); break;
+    case BF16_G8: group_rows_to_bf16<TraitsBF16G8>(w, N, K, out, ld); break;
+    case Q8_0: group_rows_to_bf16<TraitsQ8_0>(w, N, K, out, ld); break;
+    default: group_rows_to_bf16<TraitsQ4_0>(w, N, K, out, ld); break;
+  }
+  for (int64_t n = 0; n < N && Kp > K && grouped(w.fmt); ++n) std::memset(out + n * ld + K, 0, (Kp - K) * 2);
 }
 
 // x [M][K] float32 -> bf16 pairs of k per token: out[k / 2][ldx][2] (tokens past M and k past K zero),
@@ -159,12 +216,10 @@ at::Tensor amx_linear(at::Tensor x, at::Tensor W) {
   const int64_t tasks = (N + PANEL_ROWS - 1) / PANEL_ROWS;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     configure_tiles();
-    std::vector<float> f32(PANEL_ROWS * K);
     std::vector<uint16_t> panel(PANEL_ROWS * ldp, 0);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * PANEL_ROWS, rows = std::min(PANEL_ROWS, N - n0), padded = round_up(rows, 2 * TILE);
-      to_float(w.from(n0), rows, K, f32.data());  // rows: a multiple of 8 for grouped formats (format_of)
-      to_bf16_rows(f32.data(), rows, K, Kp, panel.data(), ldp);
+      weight_to_bf16(w.from(n0), rows, K, Kp, panel.data(), ldp);  // grouped formats: rows % 8 == 0 (format_of)
       std::memset(panel.data() + rows * ldp, 0, (padded - rows) * ldp * sizeof(uint16_t));
       panel_product(panel.data(), padded, ldp, xp.data(), ldx, M, Mp, Kp, n0, N, yp, N);
     }
