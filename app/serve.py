@@ -194,7 +194,7 @@ def _prepare(chat: ChatCompletionRequest, backend: Backend, limits: Limits,
     in_thinking = prompt_opens_thinking(prompt)
     if tools and (chat.tool_choice == "required" or isinstance(chat.tool_choice, NamedToolChoice)):
         job.rule = ToolCallRule(backend.pipeline.processor.tokenizer, tools, backend.pipeline.model.eos_token_ids(),
-                                in_thinking=in_thinking)  # fmt: skip
+                                in_thinking=in_thinking, max_tokens=params.max_new_tokens)  # fmt: skip
     return job, in_thinking
 
 

@@ -11,7 +11,9 @@ tokens may come next, so that the answer is one well-formed Qwen3 XML call (app/
   tool's parameters not given yet (a choice among the tokenisations of the alternatives); the call
   closes (`</function>`) only once every parameter its schema lists as `required` is given;
 - a VALUE is free text, ended by the model's `\\n</parameter>`, or forced closed after
-  `value_tokens` tokens; the turn cannot end inside the call;
+  `value_tokens` tokens, or as soon as the rest of the answer's `max_tokens` is only enough to close
+  the call (each required parameter still missing with a one-token value); the turn cannot end
+  inside the call;
 - after `</tool_call>` the turn ends.
 
 Values are not checked against their JSON schema types (the parser keeps a value that does not fit
@@ -27,7 +29,7 @@ from lm.sampling import TokenRule
 
 class ToolCallRule:
     def __init__(self, tokenizer, tools: list[dict[str, Any]], end_ids: tuple[int, ...], *, in_thinking: bool,
-                 value_tokens: int = 512):  # fmt: skip
+                 value_tokens: int = 512, max_tokens: int | None = None):  # fmt: skip
         self.encode = lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
         self.decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
@@ -35,7 +37,7 @@ class ToolCallRule:
         self.params = {name: list(dict.fromkeys([*(schema.get("properties") or {}), *self.required[name]]))
                        for name, schema in schemas.items()}  # fmt: skip
         self.given: set[str] = set()  # the parameters of the call so far
-        self.end_ids, self.value_tokens = tuple(end_ids), value_tokens
+        self.end_ids, self.value_tokens, self.max_tokens = tuple(end_ids), value_tokens, max_tokens
         self.seen = 0  # tokens of the answer already processed
         self.state = "thinking" if in_thinking else "open"
         self.tool: str | None = None
@@ -47,6 +49,7 @@ class ToolCallRule:
 
     def __call__(self, tokens: list[int]) -> TokenRule | None:
         for i in range(self.seen, len(tokens)):
+            self.seen = i + 1
             self._advance(tokens[i], tokens[max(0, i - 7) : i + 1])
         self.seen = len(tokens)
         return self._rule()
@@ -73,8 +76,17 @@ class ToolCallRule:
             self.value.append(token)
             if self.decode(self.value).endswith("\n</parameter>"):
                 self._parameters()
-            elif len(self.value) >= self.value_tokens:
+            elif len(self.value) >= self.value_tokens or self._must_close():
                 self._expect([(self.encode("\n</parameter>\n"), "parameters")])
+
+    def _must_close(self) -> bool:
+        """Whether the tokens left under max_tokens are just enough to close the call from inside a value."""
+        if self.max_tokens is None:
+            return False
+        missing = [p for p in self.required[self.tool] if p not in self.given]
+        need = len(self.encode("\n</parameter>\n")) + len(self.encode("</function>\n</tool_call>")) + 1
+        need += sum(len(self.encode(f"<parameter={p}>\n")) + 1 + len(self.encode("\n</parameter>\n")) for p in missing)
+        return self.max_tokens - self.seen <= need
 
     def _then(self, after: str) -> None:
         self.forcing, self.taken = [], []
