@@ -4,7 +4,7 @@
                             [--gguf-dir DIR] [--quick] [--context N] [--rounds 2]
 
 On one bf16 checkpoint (default: a random one with bench/lm.py's proportions; `--checkpoint` takes
-any, e.g. the one `../shared/peers/make_model.py` writes for llama.cpp), for each format: decode
+any, e.g. one written for a llama.cpp comparison), for each format: decode
 tok/s at each batch (64 tokens after an 8-token prompt, or after `--context` tokens as llama-bench's
 -d; best of `--rounds`, 2 by default, as llama-bench's tg64), the share of its own bandwidth limit (the bytes one step
 touches: its weights in that format and the cache it reads and writes, DeltaNet states and attended
@@ -50,7 +50,7 @@ def make_checkpoint(path: Path, vocab: int) -> Path:
 
 @torch.no_grad()
 def real_like(model) -> None:
-    """Random weights of a real-like scale in place (as ../shared/peers/make_model.py): vectors
+    """Random weights of a real-like scale in place (as the llama.cpp comparison's checkpoints): vectors
     (norms, biases, gates) near their init, matrices N(0, 0.6^2 / fan_in)."""
     for p in model.parameters():
         if p.dim() == 1:
@@ -70,8 +70,7 @@ def decode(models: dict, batch: int, new: int, read: ReadBandwidth, rounds: int 
     which the memory turned slow is held to the fast state). Steps timed one by one between probes
     (bench.lm.probed_steps) run cold after each 1 GiB probe, with the recurrent states, caches and
     activations a step reuses evicted: they were 1-10% slower than a run's steps in the same memory
-    state, so their shares understated the runs whose tok/s this prints (docs/weight-formats-log.md,
-    20th session)."""
+    state, so their shares understated the runs whose tok/s this prints (docs/kernel-decisions.md)."""
     ids = torch.randint(0, next(iter(models.values())).config.text.vocab_size, (batch, context),
                         generator=torch.Generator().manual_seed(batch))
     touched, best, best_probe = {}, dict.fromkeys(models, float("inf")), {}

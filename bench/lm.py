@@ -200,7 +200,7 @@ class Limits:
         seconds a step, the median share of the limit (each run's: bytes touched a step x its steps
         a second / the better probe of the two around it) and the probe beside the best run. The
         share comes from the runs whose speed is printed: steps timed one by one between probes run
-        cold after each probe and read 1-10% slower (docs/weight-formats-log.md, 20th session)."""
+        cold after each probe and read 1-10% slower (docs/kernel-decisions.md)."""
         timed = [probed_run(model, ids, new_tokens, self.read) for _ in range(runs)]
         best = min(timed)
         return best[0], median([touched / step / max(a, b) for step, a, b in timed]), max(best[1], best[2])

@@ -2,10 +2,10 @@
 
     python -m bench.make_dense OUT_DIR
 
-The config is Qwen3.5-0.8B's text config (../shared/reference/qwen3.5-0.8b.config.json; 24 layers,
+The config is Qwen3.5-0.8B's text config (tests/data/reference; 24 layers,
 dense MLP, tied head, 0.75 B params), the weights are random with a real-like scale (as
-../shared/peers/make_model.py writes the MoE shapes), the tokenizer files are the built-in default
-model's. `../shared/peers/llamacpp.sh convert OUT_DIR PREFIX` makes llama.cpp's GGUF files of it.
+bench.formats writes the MoE shapes), the tokenizer files are the built-in default
+model's. llama.cpp's converter makes GGUF files of it for a comparison.
 """
 
 from __future__ import annotations

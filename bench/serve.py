@@ -2,7 +2,7 @@
 
     python -m bench.serve --checkpoint DIR [--quick]
 
-DIR is the bench checkpoint of ../shared/peers (`make_model.py --shape bench`: the bench/lm.py
+DIR is a bench checkpoint (bench.formats.make_checkpoint: the bench/lm.py
 proportions with the real vocabulary, bf16). Prints:
 
 1. aggregate decode tok/s of 1, 4 and 8 concurrent streams against the same requests run one after

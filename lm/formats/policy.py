@@ -105,11 +105,11 @@ def bf16_groups() -> bool:
     8 rows as one stream and loads x once for the 8 rows (lm/kernels/vec.h, block_bf16_groups),
     products of 2-8 rows read a group in passes while the next one streams in. Whole bf16 decode
     steps of the bench checkpoint against rows, in turns on a 2-core Zen 4: AVX-512 build batch 1
-    1.09x, batch 4 1.24x, batch 8 ~1.0x; AVX2 build 1.46x, 1.41x, 1.20x (docs/weight-formats-log.md,
-    24th session). On a 2-core Zen 3 (AVX2 only), where a core's stream is capped by its misses in
+    1.09x, batch 4 1.24x, batch 8 ~1.0x; AVX2 build 1.46x, 1.41x, 1.20x (docs/kernel-decisions.md).
+    On a 2-core Zen 3 (AVX2 only), where a core's stream is capped by its misses in
     flight and one-row bf16 products read two rows as two streams (vec.h, block_pairs), groups ran
     0.90-0.93x at batch 1 and 0.88-0.89x at batch 4 (bench checkpoint; dense 0.88x, 0.97x, 1.06x at
-    batch 8; 25th session), so Zen 3 keeps rows. Intel CPUs and Zen 5 take groups, unmeasured there.
+    batch 8), so Zen 3 keeps rows. Intel CPUs and Zen 5 take groups, unmeasured there.
     The reference paths (kernels off) keep rows, which PyTorch reads as they are. Both layouts hold
     the same bf16 values. One switch, the environment variable QWEN35_BF16_GROUPS: "auto" (unset) as
     above, "1" groups, "0" rows."""

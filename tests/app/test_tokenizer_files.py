@@ -9,7 +9,7 @@ from transformers import AutoProcessor, AutoTokenizer, Qwen3VLProcessor
 
 from app.tokenizer_files import MODEL_VOCAB_SIZE, TOKENIZER_SPECIAL_TOKENS, learn_merges, write_tokenizer
 
-REFERENCE = Path(__file__).resolve().parents[1] / "data" / "reference"  # copies of ../shared/reference
+REFERENCE = Path(__file__).resolve().parents[1] / "data" / "reference"  # copies of the real checkpoints' configs
 FILES = ["chat_template.jinja", "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json",
          "video_preprocessor_config.json"]  # fmt: skip
 

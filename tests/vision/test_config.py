@@ -6,7 +6,7 @@ import pytest
 from tests.vision._reference import TINY, hf_vision_config
 from vision import VisionConfig
 
-REFERENCE = Path(__file__).resolve().parents[1] / "data" / "reference"  # copies of ../shared/reference
+REFERENCE = Path(__file__).resolve().parents[1] / "data" / "reference"  # copies of the real checkpoints' configs
 
 
 @pytest.mark.parametrize("name, hidden, depth, out", [
