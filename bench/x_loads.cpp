@@ -13,7 +13,7 @@
 // core over several runs (peak: 2 FMAs a cycle, 46-50): stride 128 41-48, 1024 33-45, 2048 17-21,
 // 4096 9-15, 4160 16-19, 5120 31-37; sweep 1-4 KiB 36-42, 8-32 KiB 17-23; pairs 4 KiB 29-36, 16 KiB
 // 25-33. An FMA with a load from more than 4 KiB of x issues at about one a cycle there, so a product
-// loads each x vector once for two weight rows (docs/weight-formats-log.md, 26th session).
+// loads each x vector once for two weight rows (docs/kernel-decisions.md).
 #include <chrono>
 #include <cstdio>
 #include <initializer_list>

@@ -184,7 +184,7 @@ inline void dot_row_fmt(const float* x, int64_t ldx, const uint8_t* w, int64_t k
 // and x's in the 16 registers); 7 and 8 rows two passes, 4 rows and the rest, the second reading the
 // pair from cache: its pairs prefetch those of the thread's next task instead of their own (as the
 // grouped bf16 products do), so that memory keeps streaming through it. Measured on Zen 3 (2 cores;
-// docs/weight-formats-log.md, 26th session), whole decode steps in turns (bench.ab): against
+// docs/kernel-decisions.md), whole decode steps in turns (bench.ab): against
 // dot_row_fmt / dot_row_wide, with adjacent rows as pairs and 3-8 rows of x: bf16 batch 8 1.14x and
 // 1.17x (bench checkpoint), 1.11x (dense); batch 4 1.02x, 1.09x; float32 batch 8 0.97x and 1.04x,
 // 1.00x; batch 4 1.00x, 1.07x. Then the pairs half a task apart and 2 rows of x too, against that:
@@ -307,7 +307,7 @@ inline void dot_two_rows(const float* x, const uint8_t* wa, const uint8_t* wb, i
 // accumulator: one stream a thread and a third of the loads of one row at a time. (The AVX2 build
 // takes x two vectors at a time: 8 accumulators, 2 of x and the pair in 16 registers.) Against one
 // row at a time, in cache: 1.7-1.8x; whole batch-1 bf16 steps in the fast memory state ~1.11x
-// (docs/weight-formats-log.md, 23rd session).
+// (docs/kernel-decisions.md).
 inline void block_bf16_groups(const float* xp, const Rows& Wg, int64_t K, int64_t n0, int64_t n1, float* y) {
   for (int64_t n = n0; n < n1; n += RG) {
     const uint8_t* g = Wg.row(n);
@@ -374,7 +374,7 @@ inline bool pairs_path(const Rows& W, int64_t M) {
 // the pass's own lines prefetched 4 KiB ahead instead, memory idled through those passes, and whole
 // bench-checkpoint bf16 steps ran 0.85x (AVX2, batch 4) and 0.92x (batch 8) of the rows layout;
 // with the next group's, 1.41x and 1.20x (AVX-512: 1.24x and ~1.0x, where batch 8 takes the panels;
-// docs/weight-formats-log.md, 24th session). Reading one row of a group per pass (its 64 bytes of
+// docs/kernel-decisions.md). Reading one row of a group per pass (its 64 bytes of
 // every 512) ran batch-4 bf16 steps 0.78x of the rows layout.
 template <int R>
 constexpr int group_pass_rows() {
