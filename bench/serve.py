@@ -41,11 +41,11 @@ from lm.scheduler import Engine
 from mm import ModelConfig, Pipeline, Processor, VLModel
 from vision import VisionModel
 
-REFERENCE = Path(__file__).resolve().parents[1] / ".." / "shared" / "reference"
+REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "data" / "reference"  # the real checkpoints' configs
 
 
 def _ids(seed: int, n: int) -> list[int]:
-    return torch.randint(1000, 100000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(1000, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()  # any vocabulary >= 32k
 
 
 def batching(model, engine_of, quick: bool) -> None:
