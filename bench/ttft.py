@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import mm
-from bench.formats import make_checkpoint
+from bench.formats import make_checkpoint, prefill
 from bench.lm import prefill_flops
 from bench.limits import best_time
 from bench.vision import build_towers, vision_flops
@@ -50,19 +50,12 @@ def lm_prefill(path: Path, weights: list[str], tokens: list[int], rounds: int, l
     for fmt in weights:
         models = {c: mm.load_model(path, weights=fmt, compute=c) for c in COMPUTES[fmt]}
         for t in tokens:
-            ids = torch.randint(3, 30000, (1, t), generator=torch.Generator().manual_seed(t))
-            best = dict.fromkeys(models, float("inf"))
-            with torch.no_grad():
-                for model in models.values():
-                    model.lm(ids, last_only=True)  # warm-up
-                for _ in range(rounds):
-                    for c, model in models.items():
-                        best[c] = min(best[c], best_time(lambda: model.lm(ids, last_only=True), repeats=1, warmup=0))
+            rates = prefill(models, t, rounds)  # tok/s per compute format, in turns
             flops = prefill_flops(next(iter(models.values())), t)
-            for c, seconds in best.items():
-                share = flops / seconds / limit[c]
-                print(f"prefill {t:5d} tokens, {fmt} weights, {c:4s} compute: {t / seconds:7.1f} tok/s "
-                      f"({best['fp32'] / seconds:.2f}x fp32 compute; {share:.0%} of the {c} GEMM limit)")
+            for c, rate in rates.items():
+                share = flops * rate / t / limit[c]
+                print(f"prefill {t:5d} tokens, {fmt} weights, {c:4s} compute: {rate:7.1f} tok/s "
+                      f"({rate / rates['fp32']:.2f}x fp32 compute; {share:.0%} of the {c} GEMM limit)")
         del models
 
 

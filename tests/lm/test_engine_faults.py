@@ -5,22 +5,15 @@ import pytest
 import torch
 
 import mm
-from lm import SamplingParams, generate
+from lm import SamplingParams
 from lm import scheduler as scheduler_module
 from lm.scheduler import Engine, EngineClosedError
+from tests.lm.test_scheduler import _alone, _prompt
 
 
 @pytest.fixture(scope="module")
 def lm_moe(checkpoints):
     return mm.load_model(checkpoints("moe_text")[1]).lm
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _alone(lm, ids: list[int], n: int) -> list[int]:
-    return generate(lm, torch.tensor([ids]), SamplingParams(max_new_tokens=n))[0]
 
 
 def _unchecked(**fields) -> SamplingParams:
