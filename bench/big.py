@@ -1,7 +1,7 @@
 """Qwen3.5-35B-A3B on a 24 GiB CPU machine: the full model (real config, 40 layers, the vision tower)
 with random weights, built straight in a compact storage format.
 
-    python -m bench.big [--weights int4] [--cache-file PATH] [--new-tokens 8]
+    python -m bench.big [--weights int4] [--compute auto] [--cache-file PATH] [--new-tokens 8]
     python -m bench.big --from-cache PATH          # the load time of a cache file written by the above
 
 No 70 GB bf16 checkpoint is written: the parameters get the storage of their format (lm/formats) on
@@ -26,7 +26,8 @@ import torch
 from lm import SamplingParams, stream_generate
 from lm.formats import policy
 from mm.config import ModelConfig
-from mm.loading import allocate
+from lm.kernels.compute import CHOICES
+from mm.loading import allocate, set_compute
 from mm.model import VLModel
 from mm.weight_cache import write_safetensors
 
@@ -88,6 +89,7 @@ def timed_decode(model: VLModel, batch: int, new: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--weights", default="int4")
+    parser.add_argument("--compute", default="auto", choices=CHOICES, help="prefill's and the vision tower's")
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=1000)
     parser.add_argument("--cache-file", type=Path, default=None)
@@ -108,11 +110,13 @@ def main() -> None:
               f"{time.perf_counter() - start:.1f} s; peak RSS {rss_gib():.2f} GiB")
         return
     fill_random(model, formats)
+    set_compute(args.compute, model)
     lm_bytes = sum(p.numel() * p.element_size() for p in model.lm.parameters())
     vis_bytes = sum(p.numel() * p.element_size() for p in model.visual.parameters())
     vis_dtype = str(model.visual.blocks[0].mlp.linear_fc1.weight.dtype).removeprefix("torch.")
     print(f"built in {time.perf_counter() - start:.1f} s: LM {lm_bytes / 2**30:.2f} GiB ({args.weights}), vision "
-          f"{vis_bytes / 2**30:.2f} GiB (matrices {vis_dtype}); RSS {rss_gib('VmRSS'):.2f} GiB", flush=True)
+          f"{vis_bytes / 2**30:.2f} GiB (matrices {vis_dtype}); RSS {rss_gib('VmRSS'):.2f} GiB; compute "
+          f"{args.compute} (vision {model.visual.compute})", flush=True)
     for batch in (1, 8):
         print(f"decode batch {batch}: {timed_decode(model, batch, args.new_tokens):.2f} tok/s; "
               f"peak RSS {rss_gib():.2f} GiB", flush=True)
@@ -126,8 +130,11 @@ def main() -> None:
     pixels = torch.randn(int(grid.prod()), model.config.vision.patch_dim)
     start = time.perf_counter()
     features = model.visual(pixels, grid)
+    vision = time.perf_counter() - start
     print(f"vision tower on a {features.shape[0]}-token image (grid {grid.tolist()[0]}): "
-          f"{time.perf_counter() - start:.1f} s; peak RSS {rss_gib():.2f} GiB", flush=True)
+          f"{vision:.1f} s; peak RSS {rss_gib():.2f} GiB", flush=True)
+    print(f"an image question of {args.prompt} prompt tokens: time to the first token {vision + ttft:.1f} s "
+          "(vision tower + prefill)", flush=True)
     if args.cache_file:
         start = time.perf_counter()
         write_safetensors(args.cache_file, {n: p.data for n, p in model.lm.named_parameters()})

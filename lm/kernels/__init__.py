@@ -35,7 +35,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .compute import pick, say_once
+from .compute import int8_on_tiles, pick, say_once
 
 MAX_ROWS = 8  # decode batches; larger products go to MKL's GEMM, which is efficient there
 MIN_WEIGHT_ELEMENTS = 1 << 16  # smaller weights stay in cache: no bandwidth to win, only call overhead
@@ -161,8 +161,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     compact = weight.dtype != x.dtype  # a compact format (lm/formats): F.linear cannot read it
     how = pick(compute, weight.dtype, _fusable(x)) if rows > MAX_ROWS else "fp32"
     if how == "int8":
-        # Q8_0 / Q4_0 weights (the only uint8 formats) in prefill: the int8 dot products, no float32 copy
-        y = _kernels().int8_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight)
+        # Q8_0 / Q4_0 weights (the only uint8 formats) in prefill: integer products, no float32 copy,
+        # on AMX tiles where there are some (amx_linear.cpp), else the int8 dot products (int8_dot.h)
+        k = _kernels()
+        product = k.amx_int8_linear if int8_on_tiles(compute, k) else k.int8_linear
+        y = product(x.reshape(rows, x.shape[-1]).contiguous(), weight)
     elif how == "bf16":
         y = bf16_linear(x.reshape(rows, x.shape[-1]), weight)
     else:
@@ -221,7 +224,7 @@ def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, count
                  "without them it computes in float32")  # fmt: skip
         how = "fp32"
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).long()
-    code = {"fp32": 0, "bf16": 1, "int8": 2}[how]
+    code = {"fp32": 0, "bf16": 1, "int8": 3 if int8_on_tiles(compute, k) else 2}[how]
     return k.expert_mlp(x.contiguous(), gate_up, down, offsets, token, weight.float().contiguous(), code)
 
 

@@ -9,9 +9,17 @@
 // (32 weight rows x 32 tokens) per step of 32 k, C transposed into y at the end.
 // Error: x and W rounded to bf16 (relative 2^-9 each), products and sums in float32;
 // tests/lm/test_compute.py states the bound against the float32 product on the same weights.
+//
+// Q8_0 / Q4_0 weights also multiply in int8 on AMX tiles (amx_int8_linear), with no conversion at
+// all: a group block of 8 rows (formats.h) holds its quants as 8 chunks of the 8 rows' 4 bytes,
+// which is the tiles' B operand for 8 columns as it lies (Q4_0: its nibbles unpacked to bytes, the
+// 8 of u - 8 taken off through the x quants' sums, as int8_dot.h does). x is rounded to Q8_0 blocks
+// as in the int8 dot products (the same error); each block's int32 tile is scaled by dx dw into
+// float32 sums.
 // Built where the compiler targets AMX-BF16 and AVX512-BF16 (-march=native on such a CPU); the
 // process asks Linux for the tile state once (arch_prctl) and `amx_ready` says whether it may use it.
 
+#include "int8_dot.h"
 #include "vec.h"
 
 #include <sys/syscall.h>
@@ -23,7 +31,7 @@
 
 using namespace qwen35;
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512BF16__)
 #define QWEN35_AMX 1
 #else
 #define QWEN35_AMX 0
@@ -181,6 +189,107 @@ void panel_product(const uint16_t* panel, int64_t rows, int64_t ldp, const uint1
       store_block(y, ldy, m0, n0 + r, M, N);
     }
 }
+// Tiles of the int8 products: C 0-3 (2 x 2 of 16 tokens x 8 weight rows, int32), A 4, 5 (16 tokens
+// x 32 quants of x), B 6, 7 (one block of a group: 8 chunks x 8 rows x 4 bytes).
+inline void configure_int8_tiles() {
+  TileConfig c;
+  for (int t = 0; t < 4; ++t) c.colsb[t] = 32, c.rows[t] = TILE;
+  for (int t = 4; t < 6; ++t) c.colsb[t] = 32, c.rows[t] = TILE;
+  for (int t = 6; t < 8; ++t) c.colsb[t] = 32, c.rows[t] = RG;
+  _tile_loadconfig(&c);
+}
+
+// acc[i] (tokens 2i, 2i + 1 of the tile x 8 weight rows, float32) += dx dw (C - sum8 for Q4_0) of a
+// C tile stored in c [16][8]; dx, sum8: the tile's first token's entries for this block, nb apart.
+template <bool Q4>
+inline void scale_into(const int32_t* c, const float* dx, const int32_t* sum8, int64_t nb, __m512 dw2,
+                       __m512* acc) {
+  for (int i = 0; i < TILE / 2; ++i) {
+    __m512i v = _mm512_loadu_si512(c + 16 * i);
+    if constexpr (Q4) {
+      const __m512i s = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(sum8[2 * i * nb])),
+                                           _mm256_set1_epi32(sum8[(2 * i + 1) * nb]), 1);
+      v = _mm512_sub_epi32(v, s);
+    }
+    const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(dx[2 * i * nb])),
+                                        _mm256_set1_ps(dx[(2 * i + 1) * nb]), 1);
+    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v), d), dw2, acc[i]);
+  }
+}
+
+// Block b of a Q4_0 group as the B operand: its 4 chunks of packed bytes -> 8 chunks of u in [0, 15].
+inline void unpack_q4(const uint8_t* chunks, uint8_t* out) {
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int h = 0; h < 2; ++h) {  // 64 of the 128 packed bytes at a time
+    const __m512i packed = _mm512_loadu_si512(chunks + 64 * h);
+    _mm512_storeu_si512(out + 64 * h, _mm512_and_si512(packed, low));
+    _mm512_storeu_si512(out + 128 + 64 * h, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low));
+  }
+}
+
+// y[:, g0*8 : g1*8] for groups [g0, g1) of a Q8_0 / Q4_0 weight against x's quants (Mp rows, a
+// multiple of 32): two groups and 32 tokens a step, over all blocks.
+template <bool Q4>
+void int8_groups(const QuantizedX& xq, int64_t M, int64_t Mp, const Rows& w, int64_t g0, int64_t g1, float* y,
+                 int64_t ldy) {
+  constexpr int64_t block_bytes = Q4 ? 2 + QK / 2 : 2 + QK, GB = RG * block_bytes;
+  const int64_t K = xq.K, nb = K / QK;
+  alignas(64) int32_t c[4][TILE * RG];
+  alignas(64) uint8_t unpacked[2][256];
+  for (int64_t g = g0; g < g1; g += 2) {
+    const int64_t pair = std::min<int64_t>(2, g1 - g);
+    const uint8_t* group[2] = {w.row(g * RG), w.row((g + pair - 1) * RG)};
+    for (int64_t m0 = 0; m0 < Mp; m0 += 2 * TILE) {
+      __m512 acc[4][TILE / 2];
+      for (auto& a : acc)
+        for (auto& v : a) v = _mm512_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        _tile_loadd(4, xq.q.data() + m0 * K + b * QK, K);
+        _tile_loadd(5, xq.q.data() + (m0 + TILE) * K + b * QK, K);
+        for (int j = 0; j < 2; ++j) {
+          const uint8_t* block = group[j] + b * GB;
+          if constexpr (Q4) unpack_q4(block + 16, unpacked[j]);
+        }
+        _tile_loadd(6, Q4 ? unpacked[0] : group[0] + b * GB + 16, 32);
+        _tile_loadd(7, Q4 ? unpacked[1] : group[1] + b * GB + 16, 32);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        if constexpr (Q4) {  // x signed, u unsigned
+          _tile_dpbsud(0, 4, 6);
+          _tile_dpbsud(1, 4, 7);
+          _tile_dpbsud(2, 5, 6);
+          _tile_dpbsud(3, 5, 7);
+        } else {
+          _tile_dpbssd(0, 4, 6);
+          _tile_dpbssd(1, 4, 7);
+          _tile_dpbssd(2, 5, 6);
+          _tile_dpbssd(3, 5, 7);
+        }
+        _tile_stored(0, c[0], 32);  // (tile numbers are constants of the instructions)
+        _tile_stored(1, c[1], 32);
+        _tile_stored(2, c[2], 32);
+        _tile_stored(3, c[3], 32);
+        for (int t = 0; t < 4; ++t) {  // tile t: group g + t % 2, tokens m0 + 16 (t / 2)
+          const int64_t m = m0 + TILE * (t / 2);
+          const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group[t % 2] + b * GB)));
+          const __m512 dw2 = _mm512_insertf32x8(_mm512_castps256_ps512(dw), dw, 1);
+          scale_into<Q4>(c[t], xq.d.data() + m * nb + b, xq.sum8.data() + m * nb + b, nb, dw2, acc[t]);
+        }
+      }
+      for (int t = 0; t < 4; ++t)
+        for (int i = 0; i < TILE / 2 && t % 2 < pair; ++i) {
+          alignas(64) float rows[16];
+          _mm512_store_ps(rows, acc[t][i]);
+          for (int h = 0; h < 2; ++h) {
+            const int64_t m = m0 + TILE * (t / 2) + 2 * i + h;
+            if (m < M) std::memcpy(y + m * ldy + (g + t % 2) * RG, rows + 8 * h, RG * sizeof(float));
+          }
+        }
+    }
+  }
+}
 #endif
 
 bool request_tiles() {
@@ -197,6 +306,39 @@ bool request_tiles() {
 bool amx_ready() {
   static const bool ready = request_tiles();
   return ready;
+}
+
+// y = x W^T for a Q8_0 / Q4_0 W on AMX-INT8 tiles, x rounded to Q8_0 (see the top), one thread per
+// run of groups; inside another parallel region (the routed experts) it runs on the calling thread.
+at::Tensor amx_int8_linear(at::Tensor x, at::Tensor W) {
+  check(x, "x");
+  TORCH_CHECK(x.dim() == 2 && W.dim() == 2, "amx_int8_linear: x must be [M, K] and W [N, row]");
+  TORCH_CHECK(amx_ready(), "amx_int8_linear: this build or this CPU has no AMX tiles (lm.kernels.amx_ready)");
+  const int64_t M = x.size(0), K = x.size(1), N = W.size(0);
+  const Rows w = rows_of(W, K);
+  TORCH_CHECK(w.fmt == Q8_0 || w.fmt == Q4_0, "amx_int8_linear: W must be Q8_0 or Q4_0");
+  auto y = at::empty({M, N}, x.options());
+#if QWEN35_AMX
+  if (M == 0 || N == 0) return y;
+  const int64_t Mp = round_up(M, 2 * TILE), nb = K / QK;
+  QuantizedX xq;
+  size_quantized_x(Mp, K, xq);
+  std::fill(xq.q.begin() + M * K, xq.q.end(), 0);
+  std::fill(xq.d.begin() + M * nb, xq.d.end(), 0.f);
+  std::fill(xq.sum8.begin() + M * nb, xq.sum8.end(), 0);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { quantize_x_rows(xp, m0, m1, K, xq); });
+  float* yp = y.data_ptr<float>();
+  const int64_t groups = N / RG, per_task = 4;  // 32 weight rows a task
+  at::parallel_for(0, (groups + per_task - 1) / per_task, 1, [&](int64_t t0, int64_t t1) {
+    configure_int8_tiles();
+    const int64_t g0 = t0 * per_task, g1 = std::min(groups, t1 * per_task);
+    if (w.fmt == Q4_0) int8_groups<true>(xq, M, Mp, w, g0, g1, yp, N);
+    else int8_groups<false>(xq, M, Mp, w, g0, g1, yp, N);
+    _tile_release();
+  });
+#endif
+  return y;
 }
 
 // y = x W^T: x [M, K] float32, W [N, row] in any format with K inputs per row -> y [M, N] float32.

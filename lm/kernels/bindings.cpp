@@ -16,6 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"));
   m.def("amx_linear", &amx_linear, "y = x W^T for many rows of x, W of any format, in bf16 on AMX tiles (prefill)",
         py::arg("x"), py::arg("weight"));
+  m.def("amx_int8_linear", &amx_int8_linear, "y = x W^T for many rows of x and a Q8_0 / Q4_0 W, x rounded "
+        "to Q8_0, in int8 on AMX tiles (prefill)", py::arg("x"), py::arg("weight"));
   m.def("amx_ready", &amx_ready, "whether this build has the AMX-BF16 products and the OS lets this process use tiles");
   m.def("dequantize", &dequantize, "a weight of any format (formats.h) [..., N, row] -> float32 [..., N, K]",
         py::arg("weight"), py::arg("K"));

@@ -6,8 +6,9 @@ front end), held by each layer (`Linear.compute`, `Experts.compute`) and resolve
     fp32   float32 GEMMs; compact weights converted to float32 first (the exact reference path)
     bf16   x and W rounded to bf16, products summed in float32: on AMX tiles (amx_linear.cpp, every
            weight format, converted in L2-sized panels, never whole), else torch's bf16 GEMM
-    int8   x rounded to Q8_0 blocks, integer dot products with Q8_0 / Q4_0 weights (int8_dot.h,
-           while kernels.int8_activations is on); weights in other formats take float32
+    int8   x rounded to Q8_0 blocks, integer products with Q8_0 / Q4_0 weights as they lie: on
+           AMX-INT8 tiles where the CPU has them (amx_linear.cpp), else the int8 dot products
+           (int8_dot.h; while kernels.int8_activations is on); weights in other formats take float32
     auto   float32 weights: fp32 (exact); other formats: bf16 where the CPU has AMX-BF16 tiles
            (bench/ttft.py measures it against the float32 path), else int8 for Q8_0 / Q4_0 weights
            and fp32 for bf16 ones
@@ -65,6 +66,13 @@ def pick(requested: str | None, weight_dtype, k) -> str:
         say_once("bf16-emulated", "compute='bf16' on a CPU without AVX512-BF16 or AMX-BF16: torch emulates bf16 "
                   "products there, slower than float32 (bench/ttft.py measures it); 'auto' does not pick it")  # fmt: skip
     return check(requested)
+
+
+def int8_on_tiles(requested: str | None, k) -> bool:
+    """Whether an int8 product takes AMX tiles (amx_linear.cpp) rather than the int8 dot products: when
+    the CPU has them and the layer asked for a compute format (without one, prefill keeps the dot
+    products, whose rows equal the decode products' bit for bit)."""
+    return requested is not None and k is not None and bool(k.amx_ready())
 
 
 def say_once(key: str, text: str) -> None:

@@ -36,8 +36,10 @@ at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Ten
   const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2, N = x.size(0), H = x.size(1), S = token.numel();
   const Rows gu = rows_of(gate_up, H, "experts.gate_up_proj"), dn = rows_of(down, I, "experts.down_proj");
   const bool compact = gu.fmt != F32 || dn.fmt != F32;
-  // compute (lm/kernels/compute.py): 0 float32, 1 bf16 on AMX tiles, 2 int8 where the weights allow
-  const bool i8 = compute == 2 && int8_path(gu) && int8_path(dn);  // Q8_0 / Q4_0, int8 activations on
+  // compute (lm/kernels/compute.py): 0 float32, 1 bf16 on AMX tiles, 2 int8 dot products where the
+  // weights allow, 3 the same on AMX tiles
+  const bool i8 = compute >= 2 && int8_path(gu) && int8_path(dn);  // Q8_0 / Q4_0, int8 activations on
+  const bool i8_tiles = i8 && compute == 3 && amx_ready();
   const bool amx = compute == 1 && amx_ready();
   TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && down.size(0) == E && down.size(1) == H &&
                   offsets.numel() == E + 1 && offsets.scalar_type() == at::kLong &&
@@ -64,6 +66,11 @@ at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Ten
       const int64_t e = order[i], r0 = op[e], rows = op[e + 1] - r0;
       if (rows == 0) break;  // sorted: the rest are empty
       auto xe = at::index_select(x, 0, tok.narrow(0, r0, rows));  // [rows, H]
+      if (i8_tiles) {  // x and act rounded to Q8_0, integer products on AMX tiles (amx_linear.cpp)
+        auto h = amx_int8_linear(xe, gate_up[e]);  // [rows, 2I]
+        ys[e] = amx_int8_linear(at::silu(h.narrow(1, 0, I)).mul_(h.narrow(1, I, I)), down[e]);  // [rows, H]
+        continue;
+      }
       if (i8) {  // x and act rounded to Q8_0, integer dot products (int8_dot.h), no float32 copy
         auto h = at::empty({rows, 2 * I}, x.options());
         auto act = at::empty({rows, I}, x.options());

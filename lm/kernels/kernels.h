@@ -16,6 +16,7 @@ std::vector<at::Tensor> multi_linear(at::Tensor x, std::vector<at::Tensor> weigh
 at::Tensor int8_linear(at::Tensor x, at::Tensor W);
 // prefill products in bf16 on AMX tiles (amx_linear.cpp); amx_ready: built with them and allowed by the OS
 at::Tensor amx_linear(at::Tensor x, at::Tensor W);
+at::Tensor amx_int8_linear(at::Tensor x, at::Tensor W);
 bool amx_ready();
 at::Tensor grouped_linear(at::Tensor x, at::Tensor W, at::Tensor experts, at::Tensor offsets);
 at::Tensor dequantize(at::Tensor w, int64_t K);

@@ -19,7 +19,7 @@ import mm
 from lm import kernels
 from lm.formats import FORMATS, group_rows, to_float
 from lm.kernels import compute
-from tests.conftest import rel_err
+from tests.conftest import q8_0_round, rel_err
 
 BF16_BOUND = 2.0**-7
 
@@ -63,6 +63,21 @@ def test_amx_kernel_matches_its_twin_where_the_cpu_has_it():
     w = torch.randn(72, 4304)
     assert rel_err(k.amx_linear(x, w), _twin(x, w)) < 1e-5
     assert compute.pick("auto", torch.uint8, k) == "bf16" and compute.pick("auto", torch.float32, k) == "fp32"
+
+
+@pytest.mark.parametrize("m, n, k", [(9, 40, 64), (77, 264, 1152)])
+def test_int8_products_equal_their_twin_for_both_block_formats(m, n, k):
+    """int8 compute: x rounded to Q8_0 blocks times the Q8_0 / Q4_0 weights as stored, on AMX tiles
+    where the CPU has them, else the int8 dot products; both against their portable twin, the float32
+    product of the rounded x and the dequantized weights."""
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    for name in ("int8", "int4"):
+        w = _weights(n, k, seed=n)[name]
+        twin = q8_0_round(x) @ to_float(w, k).t()
+        assert rel_err(kernels.linear(x, w, compute="int8"), twin) < 1e-5, name
+        module = kernels._kernels()
+        if module is not None and module.amx_ready():  # both integer paths, the same sums
+            assert rel_err(module.amx_int8_linear(x, w), module.int8_linear(x, w)) < 1e-5, name
 
 
 def test_pick_resolves_per_weight_format():
