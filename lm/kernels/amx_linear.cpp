@@ -235,10 +235,13 @@ void int8_groups(const QuantizedX& xq, int64_t M, int64_t Mp, const Rows& w, int
   constexpr int64_t block_bytes = Q4 ? 2 + QK / 2 : 2 + QK, GB = RG * block_bytes;
   const int64_t K = xq.K, nb = K / QK;
   alignas(64) int32_t c[4][TILE * RG];
-  alignas(64) uint8_t unpacked[2][256];
+  std::vector<uint8_t> unpacked(Q4 ? 2 * nb * 256 : 0);  // Q4_0: the pair's blocks as bytes, once per pair
   for (int64_t g = g0; g < g1; g += 2) {
     const int64_t pair = std::min<int64_t>(2, g1 - g);
     const uint8_t* group[2] = {w.row(g * RG), w.row((g + pair - 1) * RG)};
+    if constexpr (Q4)
+      for (int j = 0; j < 2; ++j)
+        for (int64_t b = 0; b < nb; ++b) unpack_q4(group[j] + b * GB + 16, unpacked.data() + (j * nb + b) * 256);
     for (int64_t m0 = 0; m0 < Mp; m0 += 2 * TILE) {
       __m512 acc[4][TILE / 2];
       for (auto& a : acc)
@@ -246,12 +249,8 @@ void int8_groups(const QuantizedX& xq, int64_t M, int64_t Mp, const Rows& w, int
       for (int64_t b = 0; b < nb; ++b) {
         _tile_loadd(4, xq.q.data() + m0 * K + b * QK, K);
         _tile_loadd(5, xq.q.data() + (m0 + TILE) * K + b * QK, K);
-        for (int j = 0; j < 2; ++j) {
-          const uint8_t* block = group[j] + b * GB;
-          if constexpr (Q4) unpack_q4(block + 16, unpacked[j]);
-        }
-        _tile_loadd(6, Q4 ? unpacked[0] : group[0] + b * GB + 16, 32);
-        _tile_loadd(7, Q4 ? unpacked[1] : group[1] + b * GB + 16, 32);
+        _tile_loadd(6, Q4 ? unpacked.data() + b * 256 : group[0] + b * GB + 16, 32);
+        _tile_loadd(7, Q4 ? unpacked.data() + (nb + b) * 256 : group[1] + b * GB + 16, 32);
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
