@@ -35,7 +35,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .compute import int8_on_tiles, pick, say_once
+from .compute import int8_on_tiles, pick, say_once, tiles
 
 MAX_ROWS = 8  # decode batches; larger products go to MKL's GEMM, which is efficient there
 MIN_WEIGHT_ELEMENTS = 1 << 16  # smaller weights stay in cache: no bandwidth to win, only call overhead
@@ -189,7 +189,7 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     AMX tiles when the kernels have them (the weight converted panel by panel, amx_linear.cpp), else
     torch's bf16 GEMM (a bf16 weight in rows as it is, another converted for this call)."""
     k = _fusable(x)
-    if k is not None and k.amx_ready():
+    if tiles(k):
         return k.amx_linear(x.contiguous(), weight)
     if weight.dtype != torch.bfloat16:
         from ..formats import to_float
@@ -219,7 +219,7 @@ def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, count
     if (k := _fusable(x)) is None:
         return None
     how = pick(compute, gate_up.dtype, k)
-    if how == "bf16" and not k.amx_ready():
+    if how == "bf16" and not tiles(k):
         say_once("bf16-experts", "compute='bf16': the routed experts' prefill takes bf16 on AMX tiles only; "
                  "without them it computes in float32")  # fmt: skip
         how = "fp32"

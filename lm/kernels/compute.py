@@ -46,6 +46,38 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+_tiles_checked: dict[int, bool] = {}
+
+
+def tiles(k) -> bool:
+    """Whether the kernels' AMX products (amx_linear.cpp) are used: built with them, the tiles granted
+    by the OS, and, once a process, both products equal to their portable twins (the float32
+    products of the same bf16-rounded / Q8_0-rounded operands) on a small case; said once if not."""
+    if k is None or not k.amx_ready():
+        return False
+    if id(k) not in _tiles_checked:
+        _tiles_checked[id(k)] = ok = _self_check(k)
+        if not ok:
+            say_once("amx-check", "the AMX products failed their start-up check against their portable twins; "
+                     "prefill takes the other kernels")  # fmt: skip
+    return _tiles_checked[id(k)]
+
+
+def _self_check(k) -> bool:
+    from ..formats import FORMATS, to_float
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(37, 96, generator=g), torch.randn(40, 96, generator=g)
+    bf16 = torch.nn.functional.linear(x.bfloat16().float(), w.bfloat16().float())
+    q = FORMATS["int4"].quantize(w)
+    blocks = x.view(37, 3, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    xq = (torch.round(blocks / d) * d).view(37, 96)
+    int8 = xq @ to_float(q, 96).t()
+    close = lambda a, b: bool(((a - b).abs().max() <= 1e-4 * b.abs().max()).item())  # noqa: E731
+    return close(k.amx_linear(x, w), bf16) and close(k.amx_int8_linear(x, q), int8)
+
+
 def pick(requested: str | None, weight_dtype, k) -> str:
     """The compute format of one prefill product: `requested` (a layer's `compute`, None = as the
     products ran before the option: int8 for Q8_0 / Q4_0 weights while int8 activations are on,
@@ -57,12 +89,12 @@ def pick(requested: str | None, weight_dtype, k) -> str:
     if requested == "auto":
         if weight_dtype == torch.float32:
             return "fp32"  # float32 weights ask for the exact path
-        return "bf16" if k is not None and k.amx_ready() else "int8" if int8_ok else "fp32"
+        return "bf16" if tiles(k) else "int8" if int8_ok else "fp32"
     if requested == "int8" and not int8_ok:
         say_once("int8-n/a", "compute='int8' applies to int8 / int4 weights with the kernels' int8 dot products "
                   "on; other products compute in float32")  # fmt: skip
         return "fp32"
-    if requested == "bf16" and (k is None or not k.amx_ready()) and "avx512_bf16" not in cpu_flags():
+    if requested == "bf16" and not tiles(k) and "avx512_bf16" not in cpu_flags():
         say_once("bf16-emulated", "compute='bf16' on a CPU without AVX512-BF16 or AMX-BF16: torch emulates bf16 "
                   "products there, slower than float32 (bench/ttft.py measures it); 'auto' does not pick it")  # fmt: skip
     return check(requested)
@@ -72,7 +104,7 @@ def int8_on_tiles(requested: str | None, k) -> bool:
     """Whether an int8 product takes AMX tiles (amx_linear.cpp) rather than the int8 dot products: when
     the CPU has them and the layer asked for a compute format (without one, prefill keeps the dot
     products, whose rows equal the decode products' bit for bit)."""
-    return requested is not None and k is not None and bool(k.amx_ready())
+    return requested is not None and tiles(k)
 
 
 def say_once(key: str, text: str) -> None:

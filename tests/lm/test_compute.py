@@ -45,7 +45,7 @@ def test_bf16_products_within_their_bound_for_every_format(m, n, k):
         y = kernels.linear(x, w, compute="bf16")
         bound = BF16_BOUND * (x.abs() @ w32.abs().t()) + 1e-6
         assert bool(((y - x @ w32.t()).abs() <= bound).all()), name
-        if kernels._kernels() is not None and kernels._kernels().amx_ready():
+        if compute.tiles(kernels._kernels()):
             assert rel_err(y, _twin(x, w32)) < 1e-5, name
 
 
@@ -56,7 +56,7 @@ def _twin(x: torch.Tensor, w32: torch.Tensor) -> torch.Tensor:
 
 def test_amx_kernel_matches_its_twin_where_the_cpu_has_it():
     k = kernels._kernels()
-    if k is None or not k.amx_ready():
+    if not compute.tiles(k):
         assert compute.pick("auto", torch.bfloat16, k) != "bf16"  # auto never picks bf16 without tiles
         return
     x = torch.randn(45, 4304)  # K no multiple of 32 (the vision MLP's), M no multiple of 32
@@ -76,7 +76,7 @@ def test_int8_products_equal_their_twin_for_both_block_formats(m, n, k):
         twin = q8_0_round(x) @ to_float(w, k).t()
         assert rel_err(kernels.linear(x, w, compute="int8"), twin) < 1e-5, name
         module = kernels._kernels()
-        if module is not None and module.amx_ready():  # both integer paths, the same sums
+        if compute.tiles(module):  # both integer paths, the same sums
             assert rel_err(module.amx_int8_linear(x, w), module.int8_linear(x, w)) < 1e-5, name
 
 
@@ -127,3 +127,16 @@ def test_vision_features_bf16_against_fp32(checkpoints):
     quick = visual(pixels, grid)
     assert 0 < rel_err(quick, exact) < 0.02  # bf16 products ran (not equal) within the bound
     assert mm.load_model(path, weights="bf16", compute="bf16").visual.compute == "bf16"
+
+
+def test_a_failed_start_up_check_keeps_auto_off_the_tiles(monkeypatch, capsys):
+    k = kernels._kernels()
+    if compute.tiles(k):
+        assert compute._self_check(k)  # the real check passes on this CPU
+    monkeypatch.setattr(compute, "_tiles_checked", {})
+    monkeypatch.setattr(compute, "_said", set())
+    monkeypatch.setattr(compute, "_self_check", lambda module: False)
+    assert not compute.tiles(k)
+    assert compute.pick("auto", torch.uint8, k) != "bf16" and compute.pick("auto", torch.bfloat16, k) != "bf16"
+    if k is not None and k.amx_ready():
+        assert "failed their start-up check" in capsys.readouterr().err
