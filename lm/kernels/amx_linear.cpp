@@ -307,14 +307,23 @@ bool amx_ready() {
   return ready;
 }
 
+namespace {
+
+// The checks both products make: x [M, K] float32, W [N, row] with K inputs per row, tiles usable.
+Rows checked(const at::Tensor& x, const at::Tensor& W, const char* who) {
+  check(x, "x");
+  TORCH_CHECK(x.dim() == 2 && W.dim() == 2, who, ": x must be [M, K] and W [N, row]");
+  TORCH_CHECK(amx_ready(), who, ": this build or this CPU has no AMX tiles (lm.kernels.amx_ready)");
+  return rows_of(W, x.size(1));
+}
+
+}  // namespace
+
 // y = x W^T for a Q8_0 / Q4_0 W on AMX-INT8 tiles, x rounded to Q8_0 (see the top), one thread per
 // run of groups; inside another parallel region (the routed experts) it runs on the calling thread.
 at::Tensor amx_int8_linear(at::Tensor x, at::Tensor W) {
-  check(x, "x");
-  TORCH_CHECK(x.dim() == 2 && W.dim() == 2, "amx_int8_linear: x must be [M, K] and W [N, row]");
-  TORCH_CHECK(amx_ready(), "amx_int8_linear: this build or this CPU has no AMX tiles (lm.kernels.amx_ready)");
+  const Rows w = checked(x, W, "amx_int8_linear");
   const int64_t M = x.size(0), K = x.size(1), N = W.size(0);
-  const Rows w = rows_of(W, K);
   TORCH_CHECK(w.fmt == Q8_0 || w.fmt == Q4_0, "amx_int8_linear: W must be Q8_0 or Q4_0");
   auto y = at::empty({M, N}, x.options());
 #if QWEN35_AMX
@@ -342,11 +351,8 @@ at::Tensor amx_int8_linear(at::Tensor x, at::Tensor W) {
 
 // y = x W^T: x [M, K] float32, W [N, row] in any format with K inputs per row -> y [M, N] float32.
 at::Tensor amx_linear(at::Tensor x, at::Tensor W) {
-  check(x, "x");
-  TORCH_CHECK(x.dim() == 2 && W.dim() == 2, "amx_linear: x must be [M, K] and W [N, row]");
-  TORCH_CHECK(amx_ready(), "amx_linear: this build or this CPU has no AMX-BF16 tiles (lm.kernels.amx_ready)");
+  const Rows w = checked(x, W, "amx_linear");
   const int64_t M = x.size(0), K = x.size(1), N = W.size(0);
-  const Rows w = rows_of(W, K);
   auto y = at::empty({M, N}, x.options());
 #if QWEN35_AMX
   if (M == 0 || N == 0) return y;
