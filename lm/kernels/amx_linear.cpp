@@ -189,6 +189,55 @@ void panel_product(const uint16_t* panel, int64_t rows, int64_t ldp, const uint1
       store_block(y, ldy, m0, n0 + r, M, N);
     }
 }
+// Tiles of the products of bf16 rows in groups of 8 (BF16_G8): C 0-3 (2 x 2 of 8 weight rows x 16
+// tokens), A 4, 5 (block b of a group: its 8 rows' 32 bf16, 64 bytes apart, as they lie in memory),
+// B 6, 7 (16 tokens' pairs, as in panel_product).
+inline void configure_group_tiles() {
+  TileConfig c;
+  for (int t = 0; t < 6; ++t) c.colsb[t] = 64, c.rows[t] = RG;
+  for (int t = 6; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = TILE;
+  _tile_loadconfig(&c);
+}
+
+// y[:, g0*8 : g1*8] for groups [g0, g1) of a BF16_G8 weight, read where it lies (no conversion):
+// 32 tokens at a time over the task's groups, two groups a step, so that the task's weights stay
+// in L2 across the tokens and a block of x's pairs across the groups.
+void group_product(const Rows& w, int64_t g0, int64_t g1, const uint16_t* xp, int64_t ldx, int64_t M, int64_t Mp,
+                   int64_t K, float* y, int64_t ldy) {
+  alignas(64) float c[4][RG][TILE];
+  for (int64_t m0 = 0; m0 < Mp; m0 += 2 * TILE)
+    for (int64_t g = g0; g < g1; g += 2) {
+      const int64_t pair = std::min<int64_t>(2, g1 - g);
+      const uint8_t* a0 = w.row(g * RG);
+      const uint8_t* a1 = w.row((g + pair - 1) * RG);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t b = 0; b < K / QK; ++b) {
+        _tile_loadd(4, a0 + b * RG * QK * 2, QK * 2);
+        _tile_loadd(5, a1 + b * RG * QK * 2, QK * 2);
+        const uint16_t* x = xp + (b * QK / 2) * ldx * 2 + m0 * 2;
+        _tile_loadd(6, x, ldx * 4);
+        _tile_loadd(7, x + TILE * 2, ldx * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+      for (int t = 0; t < 4; ++t) {  // tile t: group g + t % 2, tokens m0 + 16 (t / 2)
+        if (t % 2 >= pair) continue;
+        const int64_t nb = (g + t % 2) * RG, mb = m0 + TILE * (t / 2);
+        for (int64_t i = 0; i < TILE && mb + i < M; ++i)
+          for (int64_t j = 0; j < RG; ++j) y[(mb + i) * ldy + nb + j] = c[t][j][i];
+      }
+    }
+}
+
 // Tiles of the int8 products: C 0-3 (2 x 2 of 16 tokens x 8 weight rows, int32), A 4, 5 (16 tokens
 // x 32 quants of x), B 6, 7 (one block of a group: 8 chunks x 8 rows x 4 bytes).
 inline void configure_int8_tiles() {
@@ -361,6 +410,17 @@ at::Tensor amx_linear(at::Tensor x, at::Tensor W) {
   x_as_pairs(x.data_ptr<float>(), M, K, Mp, Kp, xp.data(), ldx);
   float* yp = y.data_ptr<float>();
   const int64_t tasks = (N + PANEL_ROWS - 1) / PANEL_ROWS;
+  // BF16_G8 weights of products of at most 128 rows read where they lie, in tiles of 8 rows (16 x
+  // 1024 x 2048: 0.13 ms against 0.23 through panels; 124 rows: equal; 512 rows: 7.3 against 6.5 ms)
+  if (w.fmt == BF16_G8 && Mp <= 4 * 2 * TILE) {
+    at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+      configure_group_tiles();
+      const int64_t per_task = PANEL_ROWS / RG;
+      group_product(w, t0 * per_task, std::min(N / RG, t1 * per_task), xp.data(), ldx, M, Mp, K, yp, N);
+      _tile_release();
+    });
+    return y;
+  }
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     configure_tiles();
     std::vector<uint16_t> panel(PANEL_ROWS * ldp, 0);
