@@ -60,7 +60,9 @@ def load_pipeline(model: str | Path | None, *, device: str = "cpu", dtype: torch
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The serving engine's options from the arguments of `add_model_arguments`."""
-    options = dict(max_batch=args.max_batch, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
+    options = dict(max_batch=args.max_batch)
+    if args.prefix_cache_mb is not None:  # else the engine's default (lm.scheduler.default_prefix_cache_bytes)
+        options["prefix_cache_bytes"] = int(args.prefix_cache_mb * 2**20)
     if args.max_len is not None:
         options["max_len"] = args.max_len
     return options
@@ -106,5 +108,6 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-len", type=int, default=None, metavar="TOKENS",
                         help="the longest sequence (prompt + answer) one slot holds (default: the model's context, "
                              "at most 32768)")
-    parser.add_argument("--prefix-cache-mb", type=float, default=2048, metavar="MB",
-                        help="memory for cached prompt states, reused by later requests and chat turns (default: 2048)")
+    parser.add_argument("--prefix-cache-mb", type=float, default=None, metavar="MB",
+                        help="memory for cached prompt states, reused by later requests and chat turns (default: "
+                             "2048, or an eighth of the machine's memory when that is less)")
