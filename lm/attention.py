@@ -90,9 +90,13 @@ class GatedAttention(nn.Module):
         if t == 1:
             out = decode_attention(q, k, v, mask, d**-0.5)
         else:
+            # prefill in the layer's compute format (that of its projections, lm/kernels/compute.py):
+            # bf16 queries, keys and values, float32 softmax and sums inside SDPA; the cache keeps float32
+            low = kernels.prefill_compute(self.o_proj.compute, self.o_proj.weight, q) == "bf16"
+            q, k, v = (z.to(torch.bfloat16) for z in (q, k, v)) if low else (q, k, v)
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, scale=d**-0.5, enable_gqa=True
-            )  # [B, H, T, D]
+            ).to(x.dtype)  # [B, H, T, D]
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * d)
         return self.o_proj(out * torch.sigmoid(gate.reshape(b, t, -1)))
 

@@ -184,6 +184,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+def prefill_compute(compute: str | None, weight: torch.Tensor, x: torch.Tensor) -> str:
+    """The compute format ("fp32", "bf16" or "int8") a layer holding `compute` and `weight` uses in
+    prefill for activations x (lm/kernels/compute.py: pick); attention follows its projections."""
+    if x.dtype != torch.float32:
+        return "fp32"
+    return pick(compute, weight.dtype, _fusable(x))
+
+
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 times a weight of any format in bf16 with float32 sums -> [M, N] float32: on
     AMX tiles when the kernels have them (the weight converted panel by panel, amx_linear.cpp), else
