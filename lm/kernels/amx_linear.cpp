@@ -163,6 +163,26 @@ inline void store_block(float* y, int64_t ldy, int64_t m0, int64_t n0, int64_t M
   }
 }
 
+// C 0-3 += the 2 x 2 products of A tiles at a0, a1 (weight rows, lda bytes apart) and B tiles at
+// x, x + 16 tokens (x's pairs, ldx tokens apart): one step of 32 k.
+inline void step_bf16(const void* a0, const void* a1, int64_t lda, const uint16_t* x, int64_t ldx) {
+  _tile_loadd(4, a0, lda);
+  _tile_loadd(5, a1, lda);
+  _tile_loadd(6, x, ldx * 4);
+  _tile_loadd(7, x + TILE * 2, ldx * 4);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 5, 6);
+  _tile_dpbf16ps(2, 4, 7);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
+inline void zero_c() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
 // y[:, n0:n0+rows] = x W[n0:n0+rows]^T from a bf16 panel [rows (a multiple of 32)][ldp] and x's pairs
 // [Kp / 2][ldx][2]. The row strides are padded by a cache line (ldp = Kp + 32, ldx = Mp + 16): at
 // strides of 4 KiB the 16 rows of a tile load would share one L1 set.
@@ -170,22 +190,10 @@ void panel_product(const uint16_t* panel, int64_t rows, int64_t ldp, const uint1
                    int64_t Mp, int64_t Kp, int64_t n0, int64_t N, float* y, int64_t ldy) {
   for (int64_t m0 = 0; m0 < Mp; m0 += 2 * TILE)
     for (int64_t r = 0; r < rows; r += 2 * TILE) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      zero_c();
       const uint16_t* a = panel + r * ldp;
-      for (int64_t k = 0; k < Kp; k += KT) {
-        _tile_loadd(4, a + k, ldp * 2);
-        _tile_loadd(5, a + TILE * ldp + k, ldp * 2);
-        const uint16_t* b = xp + (k / 2) * ldx * 2 + m0 * 2;
-        _tile_loadd(6, b, ldx * 4);
-        _tile_loadd(7, b + TILE * 2, ldx * 4);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 5, 6);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_dpbf16ps(3, 5, 7);
-      }
+      for (int64_t k = 0; k < Kp; k += KT)
+        step_bf16(a + k, a + TILE * ldp + k, ldp * 2, xp + (k / 2) * ldx * 2 + m0 * 2, ldx);
       store_block(y, ldy, m0, n0 + r, M, N);
     }
 }
@@ -210,21 +218,9 @@ void group_product(const Rows& w, int64_t g0, int64_t g1, const uint16_t* xp, in
       const int64_t pair = std::min<int64_t>(2, g1 - g);
       const uint8_t* a0 = w.row(g * RG);
       const uint8_t* a1 = w.row((g + pair - 1) * RG);
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t b = 0; b < K / QK; ++b) {
-        _tile_loadd(4, a0 + b * RG * QK * 2, QK * 2);
-        _tile_loadd(5, a1 + b * RG * QK * 2, QK * 2);
-        const uint16_t* x = xp + (b * QK / 2) * ldx * 2 + m0 * 2;
-        _tile_loadd(6, x, ldx * 4);
-        _tile_loadd(7, x + TILE * 2, ldx * 4);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 5, 6);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_dpbf16ps(3, 5, 7);
-      }
+      zero_c();
+      for (int64_t b = 0; b < K / QK; ++b)
+        step_bf16(a0 + b * RG * QK * 2, a1 + b * RG * QK * 2, QK * 2, xp + (b * QK / 2) * ldx * 2 + m0 * 2, ldx);
       _tile_stored(0, c[0], 64);
       _tile_stored(1, c[1], 64);
       _tile_stored(2, c[2], 64);
@@ -300,10 +296,7 @@ void int8_groups(const QuantizedX& xq, int64_t M, int64_t Mp, const Rows& w, int
         _tile_loadd(5, xq.q.data() + (m0 + TILE) * K + b * QK, K);
         _tile_loadd(6, Q4 ? unpacked.data() + b * 256 : group[0] + b * GB + 16, 32);
         _tile_loadd(7, Q4 ? unpacked.data() + (nb + b) * 256 : group[1] + b * GB + 16, 32);
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        zero_c();
         if constexpr (Q4) {  // x signed, u unsigned
           _tile_dpbsud(0, 4, 6);
           _tile_dpbsud(1, 4, 7);
