@@ -12,9 +12,11 @@ the DeltaNet causal conv in one pass (causal_conv.cpp).
 
 Weights may be stored in any format of lm/formats (float32, bf16, GGUF Q8_0 / Q4_0 blocks): the
 decode products, the MoE blocks and the decode step read them in registers (kernels/formats.h).
-Prefill products of Q8_0 / Q4_0 weights take the same int8 dot products over all rows of x
-(int8_linear, and expert_mlp per expert) while int8 activations are on (set_int8_activations);
-other compact weights are converted to float32 once per call for the GEMMs.
+Prefill products compute in the format each layer holds (compute.py: fp32, bf16 on AMX tiles
+(amx_linear.cpp) or through torch, int8 on AMX tiles or through the int8 dot products of int8_linear
+and expert_mlp); a layer without one keeps the int8 dot products for Q8_0 / Q4_0 weights while int8
+activations are on (set_int8_activations) and converts other compact weights to float32 once per
+call for the GEMMs.
 
 One switch, the environment variable `QWEN35_CPU_KERNELS`:
     unset / "auto"  build the C++ kernels on first use (torch caches the build); if that fails
