@@ -249,8 +249,8 @@ class Engine:
         return self.dead is None
 
     def stats(self) -> dict:
-        return dict(self.counters, alive=self.alive, running=len(self._running), waiting=len(self._waiting) + len(self._inbox),
-                    prefilling=int(self._prefilling is not None), slot_bytes=self.store.nbytes(),
+        return dict(self.counters, alive=self.alive, running=len(self._running),
+                    waiting=len(self._waiting) + len(self._inbox), prefilling=int(self._prefilling is not None), slot_bytes=self.store.nbytes(),
                     slot_max_bytes=self.store.max_bytes(), prefix=self.prefix.stats())  # fmt: skip
 
     def _wake(self) -> None:
@@ -300,12 +300,20 @@ class Engine:
         try:
             yield
         except Exception as error:  # noqa: BLE001 - one request's fault is that request's
-            print(f"[qwen35] request {request.id} failed ({type(error).__name__}: {error})", file=sys.stderr)
-            if row is not None:
-                row.cache = None
-            if not request.done:
-                self.counters["failed"] += 1
-                request._end(None, error)
+            self._fail(request, error, row)
+
+    def _fail(self, request: Request, error: BaseException, row: "_Row | None" = None) -> None:
+        """End `request` (and its row, if admitted) with `error`, said on stderr; once."""
+        print(f"[qwen35] request {request.id} failed ({type(error).__name__}: {error})", file=sys.stderr)
+        if row is not None:
+            row.cache = None  # its prefill cache, whatever becomes of the request
+        if request.done:
+            return
+        if row is not None:
+            self._finish(row, None, error)
+        else:
+            self.counters["failed"] += 1
+            request._end(None, error)
 
     def _admit_row(self, request: Request) -> _Row:
         p = request.prompt
@@ -428,8 +436,7 @@ class Engine:
             logits = self.lm(inputs_embeds=embeds, attention_mask=mask, cache=cache, last_only=True)[:, -1]
         except Exception as error:  # noqa: BLE001 - the group's requests fail, the engine goes on
             for i in live:
-                with self._guard(group[i].request, group[i]):
-                    raise error
+                self._fail(group[i].request, error, group[i])
             return b * width
         self.counters["prefill_tokens"] += int(mask.sum())
         self.counters["grouped_prefills"] += 1
@@ -496,8 +503,7 @@ class Engine:
         except Exception as error:  # noqa: BLE001 - the rows' states are unknown now: they fail, the rest go on
             while self._running:
                 row = self._remove(len(self._running) - 1)
-                with self._guard(row.request, row):
-                    raise error
+                self._fail(row.request, error, row)
             return
         self.counters["decode_tokens"] += n
         # every row greedy with no penalty and no rule: one argmax call for all (lm/sampling.py)
