@@ -161,7 +161,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     float32 for this call."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     compact = weight.dtype != x.dtype  # a compact format (lm/formats): F.linear cannot read it
-    how = pick(compute, weight.dtype, _fusable(x)) if rows > MAX_ROWS else "fp32"
+    how = prefill_compute(compute, weight, x) if rows > MAX_ROWS else "fp32"
     if how == "int8":
         # Q8_0 / Q4_0 weights (the only uint8 formats) in prefill: integer products, no float32 copy,
         # on AMX tiles where there are some (amx_linear.cpp), else the int8 dot products (int8_dot.h)
