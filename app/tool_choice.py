@@ -38,6 +38,7 @@ class ToolCallRule:
                        for name, schema in schemas.items()}  # fmt: skip
         self.given: set[str] = set()  # the parameters of the call so far
         self.end_ids, self.value_tokens, self.max_tokens = tuple(end_ids), value_tokens, max_tokens
+        self.lengths: dict[str, int] = {}  # token counts of the call's fixed parts
         self.seen = 0  # tokens of the answer already processed
         self.state = "thinking" if in_thinking else "open"
         self.tool: str | None = None
@@ -83,10 +84,16 @@ class ToolCallRule:
         """Whether the tokens left under max_tokens are just enough to close the call from inside a value."""
         if self.max_tokens is None:
             return False
+        close, end = self._length("\n</parameter>\n"), self._length("</function>\n</tool_call>")
         missing = [p for p in self.required[self.tool] if p not in self.given]
-        need = len(self.encode("\n</parameter>\n")) + len(self.encode("</function>\n</tool_call>")) + 1
-        need += sum(len(self.encode(f"<parameter={p}>\n")) + 1 + len(self.encode("\n</parameter>\n")) for p in missing)
+        need = close + end + 1 + sum(self._length(f"<parameter={p}>\n") + 1 + close for p in missing)
         return self.max_tokens - self.seen <= need
+
+    def _length(self, text: str) -> int:
+        """Tokens of a fixed part of the call (encoded once; _must_close asks at every value token)."""
+        if text not in self.lengths:
+            self.lengths[text] = len(self.encode(text))
+        return self.lengths[text]
 
     def _then(self, after: str) -> None:
         self.forcing, self.taken = [], []
