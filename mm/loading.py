@@ -48,7 +48,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     the vision tower multiply: "fp32" is the exact path; "auto" keeps float32 weights exact and
     gives the others bf16 where the CPU has AMX tiles.
     """
-    set_compute(model_compute := compute, None)  # a bad value fails before anything is read
+    check_compute(compute)  # a bad value fails before anything is read
     path = Path(path)
     raw = read_config_json(path)
     config = ModelConfig.from_hf(raw)
@@ -77,18 +77,16 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     if unexpected:
         shown = ", ".join(unexpected[:8]) + (f" (and {len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
         raise WeightError(f"checkpoint has {len(unexpected)} tensor(s) this model does not use: {shown}")
-    set_compute(model_compute, model)
+    set_compute(compute, model)
     model.generation_config = _generation_config(path)
     release_openmp_workers()  # generation may run on another thread (lm.kernels.release_openmp_workers)
     return model.eval().requires_grad_(False)
 
 
-def set_compute(compute: str, model: VLModel | None) -> None:
+def set_compute(compute: str, model: VLModel) -> None:
     """Give the model's prefill products and vision tower the compute format `compute` (checked;
     lm/kernels/compute.py): each LM `Linear` and `Experts` holds it, the tower resolves it."""
     check_compute(compute)
-    if model is None:
-        return
     for module in model.lm.modules():
         if isinstance(module, (Linear, Experts)):
             module.compute = compute
