@@ -124,7 +124,7 @@ def main() -> None:
         if prefill and set(formats) - {"int8", "int4"}:
             raise SystemExit(f"--products with more than {kernels.MAX_ROWS} rows: int8 / int4 only")
         for fmt in formats:
-            stored = policy.storage(fmt)  # bf16: in groups of 8 rows where the policy would
+            stored = policy.storage(fmt, kernels.bf16_groups())  # bf16: in groups of 8 rows where the policy would
             shapes = SHAPES[:8] if prefill else streamed_shapes(stored)  # decode: far more than the L3
             weights = [(w, torch.randn(args.batch, k)) for w, (_, k) in zip(weights_in(stored, shapes), shapes)]
             total = sum(2 * args.batch * k * n if prefill else w.numel() * w.element_size()

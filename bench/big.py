@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from lm import SamplingParams, stream_generate
+from lm import SamplingParams, kernels, stream_generate
 from lm.formats import policy
 from mm.config import ModelConfig
 from lm.kernels.compute import CHOICES
@@ -46,7 +46,7 @@ def build(weights: str) -> tuple[VLModel, dict]:
     with torch.device("meta"):
         model = VLModel(config)
     shapes = {n: tuple(p.shape) for n, p in model.lm.named_parameters(remove_duplicate=False)}
-    formats = policy.plan(shapes, weights, torch.bfloat16)
+    formats = policy.plan(shapes, weights, torch.bfloat16, groups=kernels.bf16_groups())
     model = allocate(model, formats, "cpu", policy.vision_dtype(weights, torch.bfloat16))
     return model.eval().requires_grad_(False), {f"lm.{n}": f for n, f in formats.items()}
 

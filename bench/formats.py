@@ -162,11 +162,9 @@ def gguf_into(model, gguf_file: Path) -> None:
 
 def setup() -> str:
     """Which kernels the figures are of, and the layout of their bf16 matrices."""
-    from lm.formats import policy
-
     module = kernels._kernels()
     build = module.__name__ if module is not None else "off (the reference paths)"
-    return f"kernels {build}; bf16 {'rows in groups of 8' if policy.bf16_groups() else 'rows'}"
+    return f"kernels {build}; bf16 {'rows in groups of 8' if kernels.bf16_groups() else 'rows'}"
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ def main() -> None:
     k = kernels._kernels()
     if k is None:
         raise SystemExit("the CPU kernels are off or not built (QWEN35_CPU_KERNELS); nothing to measure")
-    fmt, g = policy.storage(args.format), torch.Generator().manual_seed(0)
+    fmt, g = policy.storage(args.format, kernels.bf16_groups()), torch.Generator().manual_seed(0)
     params = in_huge_pages([t.contiguous() for _ in range(args.layers) for t in layer(fmt, g)])
     layers = [params[i * 7 : (i + 1) * 7] for i in range(args.layers)]
     x = torch.randn(args.rows, H, generator=g)

@@ -75,7 +75,7 @@ def main() -> None:
     print(f"{args.rows} row(s) of x; {torch.get_num_threads()} threads; "
           f"int8 activations {'on' if k.INT8_DOT else 'not built'}")
     for name in args.formats.split(","):
-        fmt = policy.storage(name)  # bf16: in groups of 8 rows where the policy would
+        fmt = policy.storage(name, kernels.bf16_groups())  # bf16: in groups of 8 rows where the policy would
         shapes = [(4096, 1024)] * 48 if args.in_cache else streamed_shapes(fmt)
         weights_count = sum(n * kk for n, kk in shapes)
         ws = weights_in(fmt, shapes[:1]) * len(shapes) if args.in_cache else weights_in(fmt, shapes)

@@ -133,7 +133,7 @@ def _keep_and_pos(cache: Cache, attn_mask: torch.Tensor | None) -> tuple[torch.T
 
 def build_plan(k, model, rows: int):
     """The `DecodePlan` of a `TextModel`'s layers (weights by reference) for `rows` tokens per step,
-    or None when one of them is outside what the fused kernels take. From kernels.PANEL_ROWS rows
+    or None when one of them is outside what the fused kernels take. From kernels.panel_rows() rows
     on, the attention, DeltaNet and dense-MLP products stream panel copies of their weights."""
     cfg = model.config
     if cfg.linear_value_head_dim % 16:
@@ -161,7 +161,7 @@ def build_plan(k, model, rows: int):
             shared = mlp.shared_expert
             plan.add_moe(norm, mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.top_k,
                          shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight,
-                         mlp.shared_expert_gate.weight, kernels.MOE_PIECES)
+                         mlp.shared_expert_gate.weight, kernels.moe_pieces())
         else:
             plan.add_dense_mlp(norm, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
             streamed.append(mlp)

@@ -8,7 +8,6 @@ from torch import nn
 
 from . import kernels
 from .config import TextConfig
-from .formats import to_float
 from .mlp import SwiGLU
 
 
@@ -80,8 +79,8 @@ class Experts(nn.Module):
         start = 0
         for e, size in zip(hit, counts[hit].tolist()):
             end = start + size
-            gate, up = F.linear(xs[start:end], to_float(self.gate_up_proj[e], h).to(xs.dtype)).chunk(2, dim=-1)
-            ys[start:end] = F.linear(F.silu(gate) * up, to_float(self.down_proj[e], inter).to(xs.dtype))
+            gate, up = F.linear(xs[start:end], kernels.to_float(self.gate_up_proj[e], h).to(xs.dtype)).chunk(2, dim=-1)
+            ys[start:end] = F.linear(F.silu(gate) * up, kernels.to_float(self.down_proj[e], inter).to(xs.dtype))
             start = end
         return ys
 

@@ -10,7 +10,7 @@ import torch
 from lm import CheckpointReader, WeightError, load_lm_weights
 from lm.formats import policy
 from lm.hugepages import advise_huge_pages, gather_into_huge_pages
-from lm.kernels import release_openmp_workers
+from lm.kernels import bf16_groups, release_openmp_workers
 from lm.kernels.compute import check as check_compute
 from lm.kernels.compute import cpu_flags, say_once
 from lm.linear import Linear
@@ -138,7 +138,7 @@ def _formats(model: VLModel, reader: CheckpointReader, weights: str, device, dty
             raise ValueError(f"weights={weights!r} is for CPU with float32 compute; on {device} in {dtype} the "
                              "weights are stored in the model dtype (use weights='auto')")
         return {}
-    return policy.plan(shapes, weights, _checkpoint_dtype(reader))
+    return policy.plan(shapes, weights, _checkpoint_dtype(reader), groups=bf16_groups())
 
 
 def _compact(device, dtype: torch.dtype) -> bool:

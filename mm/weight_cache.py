@@ -5,7 +5,7 @@ Quantizing a 35B checkpoint to int4 reads and converts ~70 GB of bf16 tensors; t
 `~/.cache/qwen35-vl`), one safetensors file of our parameter names in their storage dtypes, so the
 next start reads the converted tensors instead of converting again. The key hashes the checkpoint's
 weight files (names, sizes, modification times), its config.json, the weights spec, the layout of
-its bf16 parts (rows, or rows in groups of 8 with the CPU kernels: lm/formats/policy.bf16_groups) and
+its bf16 parts (rows, or rows in groups of 8 with the CPU kernels: lm.kernels.bf16_groups) and
 FORMAT_VERSION, so a changed checkpoint or spec gets a new entry. A checkpoint keeps one entry per
 spec (switching between int8 and int4 converts each once): when an entry is written, the same
 checkpoint's entries of that spec with another key (stale: the checkpoint or FORMAT_VERSION
@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from lm.formats import policy
+from lm.kernels import bf16_groups
 from lm.weights import SAFETENSORS_DTYPES
 
 FORMAT_VERSION = 5  # bump when a format's layout or the conversion changes (2: int4 rows in groups of 8, 3: int8's too, 4: the router in bf16, 5: bf16 rows in groups of 8)
@@ -46,7 +46,7 @@ class WeightCache:
         self.checkpoint = checkpoint.resolve()
         files = sorted(p for p in self.checkpoint.iterdir() if p.name.endswith((".safetensors", ".json")))
         described = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
-        layout = ["bf16 rows in groups of 8"] if policy.bf16_groups() else []  # the layout of the bf16 parts
+        layout = ["bf16 rows in groups of 8"] if bf16_groups() else []  # the layout of the bf16 parts
         text = "\n".join([str(self.checkpoint), weights, str(FORMAT_VERSION), *layout, *described])
         self.key = hashlib.sha256(text.encode()).hexdigest()[:16]
         self.origin = hashlib.sha256(str(self.checkpoint).encode()).hexdigest()[:8]  # same checkpoint, any key

@@ -13,7 +13,7 @@ the same tensors, in registers):
 
 int8 and int4 keep GGUF's blocks with the rows regrouped by 8 (blocks.py), so their weights need a
 multiple of 8 rows; the policy (policy.py) keeps any other weight in bf16 and says so. Where the CPU
-kernels are in use, but on AMD Zen 3 (policy.bf16_groups), bf16 matrices are stored the same way, 8
+kernels are in use, but on AMD Zen 3 (lm.kernels.bf16_groups), bf16 matrices are stored the same way, 8
 rows' blocks of 32 weights interleaved (`group_rows`), as uint16 so that the kernels can tell them
 from bf16 rows: a one-row product then reads one stream and loads x once for 8 rows
 (lm/kernels/vec.h, block_bf16_groups); the embedding table's rows are gathered from their groups
@@ -131,11 +131,7 @@ def format_of(w: torch.Tensor, k: int) -> Format:
 
 def to_float(w: torch.Tensor, k: int) -> torch.Tensor:
     """Weight storage [..., row] -> float32 [..., K]; a float32 weight is returned as it is.
-    Through the C++ kernel when the CPU kernels are on (one pass, all threads), else the reference."""
+    (lm.kernels.to_float gives the same through the C++ conversion, in one pass on all threads.)"""
     if w.dtype == torch.float32:
         return w
-    from .. import kernels
-
-    if w.device.type == "cpu" and (module := kernels._kernels()) is not None:
-        return module.dequantize(w.contiguous(), k)
     return format_of(w, k).dequantize(w, k)

@@ -30,7 +30,6 @@ in_proj_a/b) stays in the compute dtype, float32 on CPU, converted exactly from 
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 
@@ -99,46 +98,20 @@ def vision_dtype(spec: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if fmt in (BF16, BF16_G8) else torch.float32
 
 
-def bf16_groups() -> bool:
-    """Whether bf16 matrices are stored with their rows in groups of 8 (BF16_G8) rather than in rows:
-    wherever the CPU kernels are in use, except on AMD Zen 3. A one-row product then reads a group of
-    8 rows as one stream and loads x once for the 8 rows (lm/kernels/vec.h, block_bf16_groups),
-    products of 2-8 rows read a group in passes while the next one streams in. Whole bf16 decode
-    steps of the bench checkpoint against rows, in turns on a 2-core Zen 4: AVX-512 build batch 1
-    1.09x, batch 4 1.24x, batch 8 ~1.0x; AVX2 build 1.46x, 1.41x, 1.20x (docs/kernel-decisions.md).
-    On a 2-core Zen 3 (AVX2 only), where a core's stream is capped by its misses in
-    flight and one-row bf16 products read two rows as two streams (vec.h, block_pairs), groups ran
-    0.90-0.93x at batch 1 and 0.88-0.89x at batch 4 (bench checkpoint; dense 0.88x, 0.97x, 1.06x at
-    batch 8), so Zen 3 keeps rows. Intel CPUs and Zen 5 take groups, unmeasured there.
-    The reference paths (kernels off) keep rows, which PyTorch reads as they are. Both layouts hold
-    the same bf16 values. One switch, the environment variable QWEN35_BF16_GROUPS: "auto" (unset) as
-    above, "1" groups, "0" rows."""
-    value = os.environ.get("QWEN35_BF16_GROUPS", "auto").strip().lower()
-    if value not in ("auto", "1", "0"):
-        raise ValueError(f"QWEN35_BF16_GROUPS must be auto, 1 or 0, got {value!r}")
-    if value != "auto":
-        return value == "1"
-    from ..kernels import _kernels
-    from ..kernels.build import on_zen3
-
-    return _kernels() is not None and not on_zen3()
-
-
-def storage(name: str) -> Format:
+def storage(name: str, groups: bool) -> Format:
     """The format a weight of `name` ("fp32", "bf16", "int8", "int4") is stored in where it fits:
-    bf16 in groups of 8 rows where `bf16_groups()`, else FORMATS[name]."""
-    return BF16_G8 if name == "bf16" and bf16_groups() else FORMATS[name]
+    bf16 in groups of 8 rows with `groups` (lm.kernels.bf16_groups()), else FORMATS[name]."""
+    return BF16_G8 if name == "bf16" and groups else FORMATS[name]
 
 
-def plan(shapes: dict[str, tuple[int, ...]], spec: str, checkpoint_dtype: torch.dtype,
-         groups: bool | None = None) -> dict[str, Format]:
+def plan(shapes: dict[str, tuple[int, ...]], spec: str, checkpoint_dtype: torch.dtype, *,
+         groups: bool) -> dict[str, Format]:
     """The storage format of every large LM parameter (name -> Format; the rest stay in the compute
     dtype). `shapes` are the parameters' logical shapes; "auto" means bf16 for a bf16 (or fp8)
     checkpoint, else fp32. A block format that does not fit a weight (K % 32, or its rows % 8)
-    leaves it in bf16, said once on stderr with the names. With `groups` (default: `bf16_groups()`)
+    leaves it in bf16, said once on stderr with the names. With `groups` (lm.kernels.bf16_groups())
     bf16 is stored with its rows in groups of 8 (BF16_G8) where they fit, in rows (BF16) for the
     router and the matrices that do not fit (both layouts are exact)."""
-    groups = bf16_groups() if groups is None else groups
     parts = parse(spec)
     auto = lossless_auto(checkpoint_dtype)
     formats, unfit = {}, []

@@ -37,15 +37,11 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from . import tuning
 from .compute import int8_on_tiles, pick, say_once, tiles
 
 MAX_ROWS = 8  # decode batches; larger products go to MKL's GEMM, which is efficient there
 MIN_WEIGHT_ELEMENTS = 1 << 16  # smaller weights stay in cache: no bandwidth to win, only call overhead
-MOE_PIECES = 1  # moe_decode's parallel pieces per expert gate/up and per down (1 measured best at 2 threads)
-# Decode products of PANEL_ROWS-8 rows stream panel copies of their float32 weights (9: never).
-# None: 5 where the kernels were built for AVX-512, never with 8-float vectors (AVX2): there the
-# 8-row panel kernel (48 accumulators of 8 floats for 16 registers) spills and runs ~10x slower.
-PANEL_ROWS: int | None = None
 PANEL = 48  # output rows per panel (vec.h)
 
 _lock = threading.Lock()
@@ -89,6 +85,12 @@ def _kernels():
     return _state["module"]
 
 
+def compiled():
+    """The compiled kernel module (lm/kernels/bindings.cpp names its functions), or None when the
+    kernels are switched off or unavailable."""
+    return _kernels()
+
+
 def _fusable(x: torch.Tensor):
     """The kernel module when the activations x are float32 on CPU and the kernels are on, else None.
     (The kernels check their weights themselves and raise a clear error on a mismatch.)"""
@@ -108,11 +110,41 @@ def _eligible(rows: int, weight: torch.Tensor) -> bool:
 
 
 def panel_rows() -> int:
-    """Rows from which decode products stream panel copies (see PANEL_ROWS)."""
-    if PANEL_ROWS is not None:
-        return PANEL_ROWS
+    """Rows from which decode products stream panel copies of their weights: the tuning profile's
+    `panel_rows` where the kernels were built with 16-float vectors (AVX-512), never (MAX_ROWS + 1)
+    with 8-float vectors, where the 8-row panel kernel (48 accumulators for 16 registers) spills."""
     module = _kernels()
-    return 5 if module is not None and module.VECTOR_FLOATS >= 16 else MAX_ROWS + 1
+    return tuning.current().panel_rows if module is not None and module.VECTOR_FLOATS >= 16 else MAX_ROWS + 1
+
+
+def moe_pieces() -> int:
+    """moe_decode's parallel pieces per expert gate/up and per down (the tuning profile)."""
+    return tuning.current().moe_pieces
+
+
+def bf16_groups() -> bool:
+    """Whether bf16 matrices are stored with their rows in groups of 8 (BF16_G8) rather than in rows
+    (lm/formats/policy.py takes it as `groups`): where the CPU kernels are in use and the tuning
+    profile says so (all but AMD Zen 3). A one-row product then reads a group of 8 rows as one stream
+    and loads x once for the 8 rows (vec.h, block_bf16_groups). The reference paths keep rows, which
+    PyTorch reads as they are; both layouts hold the same bf16 values. One switch, the environment
+    variable QWEN35_BF16_GROUPS: "auto" (unset) as above, "1" groups, "0" rows."""
+    value = os.environ.get("QWEN35_BF16_GROUPS", "auto").strip().lower()
+    if value not in ("auto", "1", "0"):
+        raise ValueError(f"QWEN35_BF16_GROUPS must be auto, 1 or 0, got {value!r}")
+    if value != "auto":
+        return value == "1"
+    return _kernels() is not None and tuning.current().bf16_groups
+
+
+def to_float(w: torch.Tensor, k: int) -> torch.Tensor:
+    """Weight storage [..., row] -> float32 [..., K] (lm/formats.to_float, equal bit for bit), in one
+    pass on all threads through the C++ conversion when the kernels are on."""
+    if w.dtype != torch.float32 and w.device.type == "cpu" and (module := _kernels()) is not None:
+        return module.dequantize(w.contiguous(), k)
+    from ..formats import to_float as reference
+
+    return reference(w, k)
 
 
 _panels: dict = {}  # id(weight) -> (its version, panel copy); an entry goes when its weight does
@@ -151,6 +183,17 @@ def panels(weight: torch.Tensor) -> torch.Tensor:
     return copy
 
 
+def panel_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """The panel copy decode products have made of `weight` (see panels), or None when none was made."""
+    cached = _panels.get(id(weight))
+    return cached[1] if cached is not None else None
+
+
+def panel_copies() -> list[torch.Tensor]:
+    """Every panel copy made so far, of weights still alive."""
+    return [copy for _, copy in _panels.values()]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            compute: str | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a weight in any format (lm/formats), through the small-batch
@@ -174,8 +217,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         takes_kernel = 0 < rows <= MAX_ROWS if compact else rows > 0 and _eligible(rows, weight)
         if not takes_kernel or (k := _fusable(x)) is None:
             if compact:
-                from ..formats import to_float
-
                 weight = to_float(weight, x.shape[-1]).to(x.dtype)
             return F.linear(x, weight, bias)
         decode = x.dim() == 3 and x.shape[1] == 1 and rows >= panel_rows()
@@ -202,8 +243,6 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if tiles(k):
         return k.amx_linear(x.contiguous(), weight)
     if weight.dtype != torch.bfloat16:
-        from ..formats import to_float
-
         weight = to_float(weight, x.shape[-1]).to(torch.bfloat16)
     return F.linear(x.to(torch.bfloat16), weight).float()
 
@@ -348,4 +387,4 @@ def moe_decode(x, router, gate_up, down, top_k, shared_gate, shared_up, shared_d
     if x.shape[0] > MAX_ROWS or (k := _fusable(x)) is None:
         return None
     return k.moe_decode(x.contiguous(), router, gate_up, down, top_k, shared_gate, shared_up, shared_down,
-                        shared_expert_gate, MOE_PIECES)
+                        shared_expert_gate, moe_pieces())

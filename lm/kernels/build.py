@@ -24,7 +24,6 @@ extra flags, so it never replaces the native build.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import logging
@@ -39,13 +38,16 @@ from types import ModuleType
 
 import torch
 
+from . import tuning
+from .tuning import Profile, cpu_flags, isa  # noqa: F401 - cpu_flags and isa are this module's names too
+
 HERE = Path(__file__).parent
 SOURCES = sorted(str(p) for p in HERE.glob("*.cpp"))  # each kernel in its file; bindings.cpp names them
 # -fopenmp: at::parallel_for is header code that parallelises only when OpenMP is on; the
 # libgomp.so.1 torch already loaded serves it, so there is one OpenMP runtime.
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-# QWEN35_CPU_ISA: "native" (default), or "avx2": the flags these add to CFLAGS, and the CPU flags
-# they switch off (dropped from the flags that name the build).
+# QWEN35_CPU_ISA (tuning.isa): "native" (default), or "avx2": the flags these add to CFLAGS, and the
+# CPU flags they switch off (dropped from the flags that name the build).
 ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f", "-mno-avxvnni"]}
 LDFLAGS = ["-fopenmp"]
 BASE_NAME = "qwen35_cpu_kernels"
@@ -54,103 +56,27 @@ BASE_NAME = "qwen35_cpu_kernels"
 BUILD_SECONDS_ON_2_CORES = 265
 
 
-def read_cpuinfo() -> str:
-    """The text of /proc/cpuinfo, or "" where there is none (not Linux)."""
-    try:
-        return Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return ""
+def cflags(profile: Profile | None = None, isa_name: str | None = None) -> list[str]:
+    """The compiler flags of the build for `isa_name` (default: what QWEN35_CPU_ISA asks for) with
+    `profile` (default: this CPU's, lm/kernels/tuning.py): the ISA's flags, then the profile's -D values."""
+    isa_name = isa() if isa_name is None else isa_name
+    profile = tuning.current() if profile is None else profile
+    return [*CFLAGS, *ISA_FLAGS[isa_name], *profile.defines()]
 
 
-def cpuinfo_field(keys: tuple[str, ...], cpuinfo: str | None = None) -> str | None:
-    """The value of the first line of /proc/cpuinfo (or of `cpuinfo`) whose key is in `keys`, or None."""
-    if cpuinfo is None:
-        cpuinfo = read_cpuinfo()
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() in keys:
-            return value.strip()
-    return None
+def check_command(profile: Profile, isa_name: str, source: Path) -> list[str]:
+    """A g++ command that compiles `source` with -fsyntax-only as the build of `profile` for
+    `isa_name` would, whatever this CPU: -march=sapphirerapids (AVX-512, VNNI, AMX: every branch of
+    the native builds) in place of -march=native, then the ISA's flags and the profile's values.
+    tests/lm/test_kernel_build.py runs it for every profile x ISA."""
+    import sysconfig
 
+    import_builder()  # quiets torch's CUDA notice
+    from torch.utils.cpp_extension import include_paths
 
-def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
-    """The CPU's feature flags: the first `flags` (x86) or `Features` (Arm) line of /proc/cpuinfo.
-
-    Empty when there is no such line (not Linux); the cache is then keyed by `platform.processor()`.
-    """
-    return frozenset((cpuinfo_field(("flags", "Features"), cpuinfo) or "").split())
-
-
-def isa() -> str:
-    """QWEN35_CPU_ISA: which instruction set the kernels are built for ("native" or "avx2")."""
-    value = os.environ.get("QWEN35_CPU_ISA", "native").strip().lower() or "native"
-    if value not in ISA_FLAGS:
-        raise ValueError(f"QWEN35_CPU_ISA must be one of {', '.join(ISA_FLAGS)}, got {value!r}")
-    return value
-
-
-def cpu_vendor(cpuinfo: str | None = None) -> str:
-    """The first `vendor_id` of /proc/cpuinfo (e.g. GenuineIntel, AuthenticAMD), or "" when none."""
-    return cpuinfo_field(("vendor_id",), cpuinfo) or ""
-
-
-def cpu_family(cpuinfo: str | None = None) -> int:
-    """The first `cpu family` of /proc/cpuinfo (AMD Zen 4: 25, Zen 5: 26), or 0 when none."""
-    value = cpuinfo_field(("cpu family",), cpuinfo) or ""
-    return int(value) if value.isdigit() else 0
-
-
-def cpu_model(cpuinfo: str | None = None) -> int:
-    """The first `model` of /proc/cpuinfo (AMD family 25: Zen 3 below 0x10 and 0x20-0x5f, Zen 4 the
-    rest), or 0 when none."""
-    value = cpuinfo_field(("model",), cpuinfo) or ""
-    return int(value) if value.isdigit() else 0
-
-
-def is_zen3(family: int, model: int) -> bool:
-    """AMD family 25 (0x19) holds Zen 3 (models 0x00-0x0f, 0x20-0x5f) and Zen 4 (0x10-0x1f, 0x60 on)."""
-    return family == 0x19 and (model < 0x10 or 0x20 <= model < 0x60)
-
-
-def is_zen4(family: int, model: int) -> bool:
-    """AMD family 25 (0x19) models 0x10-0x1f and 0x60 on: Zen 4 (see is_zen3)."""
-    return family == 0x19 and not is_zen3(family, model)
-
-
-def on_zen3(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU (or `cpuinfo`'s) is an AMD Zen 3, which has rules of its own: `cflags` and
-    lm.formats.policy.bf16_groups (which asks at every load: /proc/cpuinfo is read once for this)."""
-    if cpuinfo is None:
-        cpuinfo = _this_cpuinfo()
-    return cpu_vendor(cpuinfo) == "AuthenticAMD" and is_zen3(cpu_family(cpuinfo), cpu_model(cpuinfo))
-
-
-@functools.cache
-def _this_cpuinfo() -> str:
-    return read_cpuinfo()
-
-
-def cflags(vendor: str | None = None, family: int | None = None, model: int | None = None) -> list[str]:
-    """The compiler flags of the build QWEN35_CPU_ISA asks for, on this CPU (or `vendor`'s / `family`'s
-    / `model`'s): Intel CPUs prefetch one-row products in software, others do not; Intel, AMD Zen 3 and
-    Zen 5 on (family 0x1A+) prefetch the compact formats' memory-bound products into L2 (Zen 3 with
-    prefetchnta, and not bf16's), Zen 3 streams one-row bf16 products two rows at a time as pairs, and
-    Zen 4's AVX-512 build takes one-row Q8_0 / Q4_0 products in 512-bit registers and one-row bf16
-    products as pairs, one row at a time (measured: formats.h,
-    prefetch_ahead and prefetch_block; vec.h, block_pairs; int8_dot.h, dot_group_q4_0_zmm)."""
-    vendor = cpu_vendor() if vendor is None else vendor
-    family = cpu_family() if family is None else family
-    model = cpu_model() if model is None else model
-    prefetch = ["-DQWEN35_PREFETCH_ROWS=1"] if vendor == "GenuineIntel" else []
-    zen3 = vendor == "AuthenticAMD" and is_zen3(family, model)
-    if zen3 or (vendor == "AuthenticAMD" and family >= 0x1A):  # Zen 3, Zen 5 on: the compact formats' L2 prefetch
-        prefetch.append("-DQWEN35_PREFETCH_L2=2")
-    if zen3:  # that prefetch as prefetchnta, bf16 not prefetched, one-row bf16 products two rows at a time
-        prefetch += ["-DQWEN35_PREFETCH_L2_HINT=0", "-DQWEN35_BF16_PREFETCH_L2=0", "-DQWEN35_BF16_PAIRS=1"]
-    if vendor == "AuthenticAMD" and is_zen4(family, model) and isa() == "native":
-        # one-row Q8_0 / Q4_0 in zmm; one-row bf16 products as pairs, one row at a time
-        prefetch += ["-DQWEN35_GROUP_ZMM=1", "-DQWEN35_BF16_PAIRS=1", "-DQWEN35_BF16_PAIR_ROWS=1"]
-    return [*CFLAGS, *ISA_FLAGS[isa()], *prefetch]
+    includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"], str(HERE)]]
+    flags = [f for f in cflags(profile.for_isa(isa_name), isa_name) if f != "-march=native"]
+    return ["g++", "-std=c++20", "-fsyntax-only", "-march=sapphirerapids", *flags, *includes, str(source)]
 
 
 def build_flags(flags: Iterable[str]) -> frozenset[str]:

@@ -48,17 +48,10 @@ constexpr int QK = 32;       // weights per block of the block formats
 constexpr int NB = QK / W;   // vectors per block
 
 // Software prefetch of a product's weight stream, `ahead` bytes ahead of p, in products of at least
-// PREFETCH_ROWS rows of x (R, the rows of the kernel).
-// With 2-8 rows, whose products are compute-bound, software prefetch is 10-40% faster on both CPUs
-// measured. With one row, whose products are memory-bound, it depends on the CPU: on Zen 4 (AMD,
-// 2 cores) the hardware prefetchers alone stream faster (fp32 53-59 vs 36-49 GB/s, bf16 50-53 vs
-// 39-44; whole bench steps without: bf16 1.14x, fp32 1.04x), on Sapphire Rapids (Intel, 2 cores)
-// slower (whole bench steps with this rule: fp32 1.17x, bf16 1.09x, int4 1.01x; its Q4_0 products
-// alone 1.64x, in a test whose weights partly sat in the L3). So lm/kernels/build.py builds with
-// -DQWEN35_PREFETCH_ROWS=1 for Intel CPUs, 2 for others; how far and where to depends on the format
-// (prefetch_block).
+// PREFETCH_ROWS rows of x (R, the rows of the kernel). The -D values in this file come from the CPU's
+// tuning profile (lm/kernels/tuning.py), which always writes them; why each: docs/kernel-decisions.md.
 #ifndef QWEN35_PREFETCH_ROWS
-#define QWEN35_PREFETCH_ROWS 2
+#error "QWEN35_PREFETCH_ROWS and the other QWEN35_ tuning values come from lm/kernels/tuning.py"
 #endif
 constexpr int PREFETCH_ROWS = QWEN35_PREFETCH_ROWS;
 constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead the format kernels prefetch a weight row
@@ -129,16 +122,7 @@ struct TraitsF32 {
   static inline float at(const uint8_t* row, int64_t k) { return reinterpret_cast<const float*>(row)[k]; }
 };
 
-// How far ahead prefetch_block's L2 rule reaches in bf16 rows (bytes; 0: not prefetched at all):
-// on Intel 8 KiB, not the 2 KiB of the block formats (2-core Xeon, whole batch-1 bf16 steps in turns
-// against 2 KiB: 1.04x in this build; 1.05-1.08x, AVX2 and dense included, in a build with the distance
-// as a run-time setting; 4 and 16 KiB within the noise of 8); AMD Zen 5 the 2 KiB it was measured with;
-// Zen 3 none (-DQWEN35_BF16_PREFETCH_L2=0: one-row bf16 products, DRAM-cold, 2 cores, against no
-// prefetch in turns: 2 KiB 0.94x, 4 KiB 0.97x, 8 KiB 0.99x; one core 0.92x / 0.90x / 0.95x).
-#ifndef QWEN35_BF16_PREFETCH_L2
-#define QWEN35_BF16_PREFETCH_L2 (QWEN35_PREFETCH_ROWS == 1 ? 8192 : 2048)
-#endif
-
+// How far ahead prefetch_block's L2 rule reaches in bf16 rows (bytes; 0: not prefetched at all).
 struct TraitsBF16 {
   static constexpr int64_t block_bytes = QK * 2;
   static constexpr int streamed_rows = 1;  // products of up to this many rows are memory-bound (prefetch_block)
@@ -234,45 +218,10 @@ struct TraitsBF16G8 : TraitsBF16 {
 };
 
 // Prefetch for the compact formats' blocks (bf16, Q8_0, Q4_0) in products of R rows. Products that
-// are memory-bound (R <= T::streamed_rows) and have at most PREFETCH_L2_ROWS rows (Intel: 8, i.e. all;
-// AMD Zen 5 on: 2; elsewhere 0) prefetch only T::prefetch_l2_bytes ahead and into L2 (prefetcht1); the
-// others as prefetch_ahead (PREFETCH_BYTES into L1 from PREFETCH_ROWS rows on, else not at all).
-// Measured on Sapphire Rapids (2 cores) on DRAM-cold weights (the L3 flushed before each pass, builds
-// in turns in one process): 4 KiB into L1 streamed one-row Q4_0 products at 16-20 GB/s against a
-// 30 GB/s probe, no prefetch 14-23 (slower for small matrices, faster for large), 2 KiB into L2
-// 17-27. Against 4 KiB into L1 (Q8_0 one-row: none): one row Q4_0 1.08-1.43x, bf16 1.03-1.24x, Q8_0
-// 1.06-1.10x; 2 rows Q4_0 1.24-1.26x, Q8_0 1.33-1.35x, bf16 0.97-1.03x; 4 rows Q8_0 1.26-1.29x,
-// Q4_0 0.95-1.05x; 8 rows Q8_0 1.01-1.06x, Q4_0 0.92-0.96x. Whole batch-1 steps (bench.ab), bench
-// checkpoint bf16 1.12x, int8 1.08x, int4 1.12x; dense 1.12x, 1.10x, 1.12x. The float32 kernels keep
-// their own distance (PREFETCH_F32_BYTES, vec.h).
-//
-// AMD Zen 5 (2 cores, AVX-512 build; lm/kernels/build.py passes -DQWEN35_PREFETCH_L2=2 for AMD family
-// 0x1A and later), against no rule (one-row float32 products stay unprefetched there), whole batch-1
-// steps (bench.ab, noisy): bench bf16 1.00-1.07x, int8 1.06-1.08x, int4 1.00-1.07x; dense bf16
-// 1.12-1.19x, int8 1.11x, int4 1.01-1.08x. With the rule up to 8 rows, batch-8 int8 steps ran 0.92x,
-// hence 2. Zen 4 keeps no rule: against none, its AVX-512 build's one-row products ran 0.89-1.04x
-// with it (prefetcht1) and 0.85-1.00x as prefetchnta (bench.ab --products).
-//
-// AMD Zen 3 (EPYC family 25 model 1, 2 cores, AVX2, probe 20-28 GB/s; build.py passes the same rule,
-// bf16 left out): 48 decode-shaped one-row products (bench.products' shapes), DRAM-cold, in turns
-// against no prefetch: Q4_0 1.10-1.16x (one core 1.21-1.28x), Q8_0 1.07-1.08x (one core 1.11-1.13x)
-// at 2, 4 or 8 KiB alike; bf16 slower at every distance (QWEN35_BF16_PREFETCH_L2 above).
-//
-// The rule's hint: prefetcht1 (locality 2), except on Zen 3, where build.py passes
-// -DQWEN35_PREFETCH_L2_HINT=0, prefetchnta at the same distance: whole decode steps (bench.ab, in
-// turns against prefetcht1, 8-20 rounds a run): bench batch 1 int4 1.002-1.030x (four runs), int8
-// 1.009-1.040x (three), batch 2 int4 1.026x, int8 1.029x; dense batch 1 int4 1.002-1.006x, int8
-// 1.017-1.035x (bf16, not prefetched on Zen 3, 0.987x: the noise).
-// (Zen's prefetchnta fills L1 and keeps the lines out of L2 and L3 on eviction, so the weights that
-// stream through once do not evict the DeltaNet states, KV cache and the interpreter's data from
-// L3; on Sapphire Rapids prefetchnta as the distance prefetch ran 0.68-0.74x, and Zen 5 is
-// unmeasured: both keep prefetcht1.)
-#ifndef QWEN35_PREFETCH_L2
-#define QWEN35_PREFETCH_L2 (QWEN35_PREFETCH_ROWS == 1 ? 8 : 0)  // Intel: every product size (8 rows at most)
-#endif
-#ifndef QWEN35_PREFETCH_L2_HINT
-#define QWEN35_PREFETCH_L2_HINT 2
-#endif
+// are memory-bound (R <= T::streamed_rows) and have at most PREFETCH_L2_ROWS rows prefetch only
+// T::prefetch_l2_bytes ahead and into L2, with the hint QWEN35_PREFETCH_L2_HINT (2: prefetcht1, 0:
+// prefetchnta, which keeps a stream read once out of L2 and L3); the others as prefetch_ahead. The
+// float32 kernels keep their own distance (PREFETCH_F32_BYTES, vec.h).
 constexpr int PREFETCH_L2_ROWS = QWEN35_PREFETCH_L2;  // the rule's products have at most this many rows
 
 template <class T, int R>

@@ -222,10 +222,8 @@ inline void dot_group_q4_0(const QuantizedX& x, int64_t r0, const uint8_t* group
 // a register, lanes 0-7 chunk c's 8 rows and lanes 8-15 chunk c + 1's, x's quants for the two put in
 // the matching halves by one permute; each half sums its chunks, and the two halves' int32 sums are
 // added before the scaling, so y equals the 256-bit kernels' bit for bit. Half
-// the instructions of the 256-bit kernels and two short dependency chains per block: on Zen 4 (2 cores,
-// L2-resident weight, one thread) Q4_0 ran 63-65 G weights/s against 50-52 (lm/kernels/build.py passes
-// it there; whole steps: docs/kernel-decisions.md).
-#if QWEN35_VNNI && defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(QWEN35_GROUP_ZMM) && QWEN35_GROUP_ZMM
+// the instructions of the 256-bit kernels and two short dependency chains per block.
+#if QWEN35_VNNI && defined(__AVX512F__) && defined(__AVX512VNNI__) && QWEN35_GROUP_ZMM
 #define QWEN35_ZMM_GROUPS 1
 // x's 8 dwords of one block (32 quants) -> a register whose low half holds dword i, its high half dword i + 1.
 inline __m512i x_pair(__m512i x8, int i) {

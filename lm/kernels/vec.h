@@ -140,8 +140,7 @@ inline void block(const float* x, int64_t M, int64_t ldx, const float* W, int64_
 // float32 in registers, then multiplied with x in float32. Up to 8 accumulators in flight (one
 // register each, also on AVX2), adding into y when `accumulate`; k0 is a multiple of 32. One row of x
 // takes 4 chains, two blocks an iteration where a block is fewer vectors (AVX-512: 2); with 2 rows and
-// more, the chains of one block. (Whole batch-1 bf16 steps on Sapphire Rapids, 4 chains against 2:
-// 1.05x; at batch 2, 4 chains a row were 0.92x, hence one row only.)
+// more, the chains of one block (4 chains a row were faster at one row only).
 template <int R, class T>
 inline void dot_row_fmt(const float* x, int64_t ldx, const uint8_t* w, int64_t k0, int64_t k1, float* y, int64_t ldy,
                         bool accumulate) {
@@ -173,29 +172,15 @@ inline void dot_row_fmt(const float* x, int64_t ldx, const uint8_t* w, int64_t k
 }
 
 // Products of 2-8 rows of x with float32 or bf16 weight rows on AVX2 builds (QWEN35_ROW_PAIRS): two
-// weight rows at a time against up to 6 rows of x, so that each load of x feeds two FMAs, the two rows
-// half a task apart, so that each thread reads two streams. dot_row_fmt loads x once per FMA, and on
-// Zen 3 an FMA whose operand is a load from a working set of more than 4 KiB issues at about one a
-// cycle, half the FMA rate: a hand-written loop of 8 chains of FMAs, each with a load of x, ran 41-48
-// G MAC/s on a core with x's rows 128 bytes apart and 9-15 with them 4 KiB apart (x's rows of K = 1024
-// floats), 17-23 sweeping 8-32 KiB of x; loading each x vector once for two weight rows, 25-33 over 16
-// KiB (bench/x_loads.cpp). And a Zen 3 core streams more from two pages at once than from one
-// (block_pairs). Up to 6 rows of x take one pass over a pair (12 accumulators, the pair's 2 vectors
-// and x's in the 16 registers); 7 and 8 rows two passes, 4 rows and the rest, the second reading the
-// pair from cache: its pairs prefetch those of the thread's next task instead of their own (as the
-// grouped bf16 products do), so that memory keeps streaming through it. Measured on Zen 3 (2 cores;
-// docs/kernel-decisions.md), whole decode steps in turns (bench.ab): against
-// dot_row_fmt / dot_row_wide, with adjacent rows as pairs and 3-8 rows of x: bf16 batch 8 1.14x and
-// 1.17x (bench checkpoint), 1.11x (dense); batch 4 1.02x, 1.09x; float32 batch 8 0.97x and 1.04x,
-// 1.00x; batch 4 1.00x, 1.07x. Then the pairs half a task apart and 2 rows of x too, against that:
-// batch 2 bf16 1.16x (bench), 1.15x (dense), float32 1.15x, 1.25x; bf16 batch 4 1.06x, batch 8 1.12x
-// (bench). AVX-512 builds keep dot_row_fmt and the panels.
-#ifndef QWEN35_ROW_PAIRS
+// weight rows at a time against up to 6 rows of x, so that each load of x feeds two FMAs (an FMA with
+// a load from a working set over 4 KiB issues at half rate on Zen 3), the two rows half a task apart,
+// so that each thread reads two streams. Up to 6 rows of x take one pass over a pair (12 accumulators
+// in 16 registers); 7 and 8 rows two passes, the second reading the pair from cache while its pairs
+// prefetch the thread's next task. AVX-512 builds keep dot_row_fmt and the panels.
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #define QWEN35_ROW_PAIRS 1
 #else
 #define QWEN35_ROW_PAIRS 0
-#endif
 #endif
 
 #if QWEN35_ROW_PAIRS
@@ -333,22 +318,9 @@ inline void block_bf16_groups(const float* xp, const Rows& Wg, int64_t K, int64_
   }
 }
 
-// How many weight rows a one-row bf16 pairs product streams at once (QWEN35_BF16_PAIR_ROWS, with
-// QWEN35_BF16_PAIRS; lm/kernels/build.py): 2 on Zen 3, 1 on Zen 4's AVX-512 build.
-#ifndef QWEN35_BF16_PAIR_ROWS
-#define QWEN35_BF16_PAIR_ROWS 2
-#endif
-
-// One row of x (xp: in TraitsBF16Pairs' order, pairs_order) times bf16 weight rows [n0, n1) -> y[n0:n1].
-// Two rows at a time (QWEN35_BF16_PAIR_ROWS 2): row n with row n + h, h = half the range (a task's
-// rows: 16 KiB apart at K = 1024). On Zen 3 (AVX2 build, DRAM-cold [131072 x 1024] bf16, 2 threads,
-// in turns): one row at a time 18.1-19.1 GB/s, fp32's one-row kernel on the same bytes 19.5-21.6, two
-// rows 8 / 16 rows apart with pairs 22.0 / 22.4; two rows with the widening loads 19.3-20.0, pairs
-// alone 17.5-18.4; two rows in one 4 KiB page 0.7x.
-// One row at a time (1): on Zen 4 (AVX-512 build, DRAM-cold [131072 x 2048] and [262144 x 1024], one
-// thread, in turns) the widening loads streamed 17-24 GB/s, pairs 25-27.5, fp32's kernel 24-28 on
-// the same bytes (a pair is one load, a shift and an and per 32 weights, the widening loads two
-// loads and two shifts); two rows at once 12-13 (two streams a core run at half speed there).
+// One row of x (xp: in TraitsBF16Pairs' order, pairs_order) times bf16 weight rows [n0, n1) -> y[n0:n1],
+// QWEN35_BF16_PAIR_ROWS rows at a time (the tuning profile): 2 streams row n with row n + h, h = half
+// the range (two streams a core where one stream is capped by its misses in flight), 1 one row.
 inline void block_pairs(const float* xp, const Rows& W, int64_t K, int64_t n0, int64_t n1, float* y) {
   if (W.fmt == BF16_G8) return block_bf16_groups(xp, W, K, n0, n1, y);
   const int64_t h = QWEN35_BF16_PAIR_ROWS == 2 ? (n1 - n0) / 2 : 0;
@@ -356,11 +328,7 @@ inline void block_pairs(const float* xp, const Rows& W, int64_t K, int64_t n0, i
   for (int64_t n = n0 + 2 * h; n < n1; ++n) dot_row_fmt<1, TraitsBF16Pairs>(xp, K, W.row(n), 0, K, y + n, 1, false);
 }
 
-// Whether one-row bf16 products take block_pairs (-DQWEN35_BF16_PAIRS=1: lm/kernels/build.py, where
-// measured: AMD Zen 3, Zen 4's AVX-512 build).
-#ifndef QWEN35_BF16_PAIRS
-#define QWEN35_BF16_PAIRS 0
-#endif
+// Whether one-row bf16 products in rows take block_pairs (QWEN35_BF16_PAIRS, the tuning profile);
 // bf16 rows in groups of 8 take it with one row of x on every build (block_bf16_groups).
 inline bool pairs_path(const Rows& W, int64_t M) {
   return M == 1 && ((QWEN35_BF16_PAIRS && W.fmt == BF16) || W.fmt == BF16_G8);
@@ -501,8 +469,7 @@ inline void block(const float* x, int64_t M, int64_t ldx, const Rows& W, int64_t
 // W[p*48 + j, k] at p*48*K + k*width + j. With 5-8 rows of x the row-major products above are
 // compute-bound (each weight vector costs 8 loads of x); here every weight float is loaded once
 // into a vector and multiplied by broadcast x values, R x NV accumulators in registers, one
-// sequential stream per panel. Measured on 240 MB of decode-shaped products with 8 rows: 76% of
-// the read bandwidth at 70-80 GB/s (row-major: 47%), 86% at ~50 GB/s (row-major: 73%).
+// sequential stream per panel.
 constexpr int64_t PANEL = 48;
 
 // The panel copy of a bf16 weight is in bf16 too (half the bytes; converted in registers, exact).
@@ -576,11 +543,9 @@ inline void panel_block(const float* xt, int64_t M, Fmt fmt, const void* panels,
     panel_block(xt, M, static_cast<const float*>(panels), K, N, p0, p1, y, ldy);
 }
 
-// Weight floats per parallel task (~64 KiB; 32 and 64 Ki floats measured the same). -D to experiment.
-#ifndef QWEN35_TASK_FLOATS
-#define QWEN35_TASK_FLOATS 16384
-#endif
-inline int64_t rows_per_task(int64_t K) { return std::max<int64_t>(4, QWEN35_TASK_FLOATS / std::max<int64_t>(K, 1)); }
+// Weight floats per parallel task (~64 KiB; 32 and 64 Ki floats measured the same).
+constexpr int64_t TASK_FLOATS = 16384;
+inline int64_t rows_per_task(int64_t K) { return std::max<int64_t>(4, TASK_FLOATS / std::max<int64_t>(K, 1)); }
 
 // One weight matrix of a product list: x [M, K] (row stride ldx) times W [N, K] (any format) -> y
 // [M, N]; with `panels` (a panel copy of a float32 or bf16 W, in W's format, or null) and 5-8 rows,
@@ -607,10 +572,8 @@ inline int64_t task_rows(const Product& p) {
 // fn(t) for t in [0, n) on all threads: each thread takes the tasks of its own contiguous share in
 // order (one stream per thread, as a static split), then helps with what is left of the others'
 // shares (one atomic increment per task). A static split waits at its end for the slowest thread,
-// and on a 2-core VM one thread often runs late (a descheduled vCPU, the other core's extra work):
-// DRAM-cold one-row products on Zen 3 (48 decode-shaped weights, in turns against the static split):
-// fp32 1.06x, int4 1.05x, int8 1.02x, bf16 1.00x. Which thread computes a task changes nothing in
-// the result.
+// and on a small VM one thread often runs late (a descheduled vCPU, the other core's extra work).
+// Which thread computes a task changes nothing in the result.
 template <class F>
 inline void parallel_tasks(int64_t n, const F& fn) {
   if (n <= 0) return;

@@ -45,7 +45,7 @@ def test_bf16_products_within_their_bound_for_every_format(m, n, k):
         y = kernels.linear(x, w, compute="bf16")
         bound = BF16_BOUND * (x.abs() @ w32.abs().t()) + 1e-6
         assert bool(((y - x @ w32.t()).abs() <= bound).all()), name
-        if compute.tiles(kernels._kernels()):
+        if compute.tiles(kernels.compiled()):
             assert rel_err(y, _twin(x, w32)) < 1e-5, name
 
 
@@ -55,7 +55,7 @@ def _twin(x: torch.Tensor, w32: torch.Tensor) -> torch.Tensor:
 
 
 def test_amx_kernel_matches_its_twin_where_the_cpu_has_it():
-    k = kernels._kernels()
+    k = kernels.compiled()
     if not compute.tiles(k):
         assert compute.pick("auto", torch.bfloat16, k) != "bf16"  # auto never picks bf16 without tiles
         return
@@ -75,13 +75,13 @@ def test_int8_products_equal_their_twin_for_both_block_formats(m, n, k):
         w = _weights(n, k, seed=n)[name]
         twin = q8_0_round(x) @ to_float(w, k).t()
         assert rel_err(kernels.linear(x, w, compute="int8"), twin) < 1e-5, name
-        module = kernels._kernels()
+        module = kernels.compiled()
         if compute.tiles(module):  # both integer paths, the same sums
             assert rel_err(module.amx_int8_linear(x, w), module.int8_linear(x, w)) < 1e-5, name
 
 
 def test_pick_resolves_per_weight_format():
-    k = kernels._kernels()
+    k = kernels.compiled()
     assert compute.pick("fp32", torch.uint8, k) == "fp32"
     assert compute.pick("bf16", torch.float32, k) == "bf16"
     legacy = "int8" if k is not None and k.INT8_DOT and k.int8_activations() else "fp32"
@@ -130,7 +130,7 @@ def test_vision_features_bf16_against_fp32(checkpoints):
 
 
 def test_a_failed_start_up_check_keeps_auto_off_the_tiles(monkeypatch, capsys):
-    k = kernels._kernels()
+    k = kernels.compiled()
     if k is not None and k.amx_ready():
         assert compute._self_check(k) and compute.tiles(k)  # the real check passes on this CPU
     monkeypatch.setattr(compute, "_tiles_checked", {})

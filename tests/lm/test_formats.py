@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import mm
 from lm import kernels
-from lm.kernels import build
+from lm.kernels import tuning
 from lm.formats import BF16, BF16_G8, FP32, INT4, INT8, blocks, format_of, gather_rows, group_rows, policy, to_float
 from tests.conftest import q8_0_round, rel_err
 
@@ -24,7 +24,7 @@ def kernels_on(monkeypatch):
 @pytest.fixture
 def int8_on(kernels_on):
     """The kernels with int8 activations on (skipped where the build lacks the int8 dot products)."""
-    if not kernels._kernels().INT8_DOT:
+    if not kernels.compiled().INT8_DOT:
         pytest.skip("the int8 dot products are built for AVX2 only")
     kernels.set_int8_activations(True)
 
@@ -90,7 +90,7 @@ def test_products_with_float_activations_equal_dequantized_matmul(kernels_on, fm
     assert rel_err(kernels.linear(x, q, b), ref) < 1e-5
     assert rel_err(kernels.linear(x[None], q, b)[0], ref) < 1e-5  # [B, T, K] inputs
     assert rel_err(kernels.linear(x[:, None], q, b)[:, 0], ref) < 1e-5  # decode rows [B, 1, K]
-    assert torch.equal(to_float(q, 256), fmt.dequantize(q, 256))  # the C++ conversion, bit for bit
+    assert torch.equal(kernels.to_float(q, 256), fmt.dequantize(q, 256))  # the C++ conversion, bit for bit
 
 
 def test_bf16_rows_in_groups_of_8():
@@ -126,21 +126,23 @@ def test_bf16_rows_in_groups_of_8():
     assert torch.equal(gather_rows(group_rows(table), ids), table.bfloat16()[ids])  # the table's rows, gathered
 
 
-def test_bf16_groups_follow_the_kernels_the_cpu_and_the_switch(monkeypatch):
-    """Groups of 8 rows where the CPU kernels are in use, except on AMD Zen 3; rows on the reference
-    paths; QWEN35_BF16_GROUPS forces either, and a bad value is an error that names the variable."""
+def test_bf16_groups_follow_the_kernels_the_profile_and_the_switch(monkeypatch):
+    """Groups of 8 rows where the CPU kernels are in use and the tuning profile says so (all but AMD
+    Zen 3); rows on the reference paths; QWEN35_BF16_GROUPS forces either, and a bad value is an
+    error that names the variable."""
     monkeypatch.delenv("QWEN35_BF16_GROUPS", raising=False)
-    for module, zen3, grouped in [(None, False, False), (object(), False, True), (object(), True, False)]:
+    for module, profiled, grouped in [(None, True, False), (object(), True, True), (object(), False, False)]:
         monkeypatch.setattr(kernels, "_kernels", lambda module=module: module)
-        monkeypatch.setattr(build, "on_zen3", lambda zen3=zen3: zen3)
-        assert policy.bf16_groups() is grouped
-        assert policy.storage("bf16") is (BF16_G8 if grouped else BF16) and policy.storage("int4") is INT4
+        with tuning.override(bf16_groups=profiled):
+            assert kernels.bf16_groups() is grouped
+        assert policy.storage("bf16", grouped) is (BF16_G8 if grouped else BF16)
+        assert policy.storage("int4", grouped) is INT4
     for value, grouped in [("1", True), ("0", False)]:
         monkeypatch.setenv("QWEN35_BF16_GROUPS", value)
-        assert policy.bf16_groups() is grouped
+        assert kernels.bf16_groups() is grouped
     monkeypatch.setenv("QWEN35_BF16_GROUPS", "yes")
     with pytest.raises(ValueError, match="QWEN35_BF16_GROUPS"):
-        policy.bf16_groups()
+        kernels.bf16_groups()
 
 
 @pytest.mark.parametrize("k", [200, 1056])
@@ -225,7 +227,7 @@ def test_grouped_and_moe_decode_kernels_with_compact_experts(kernels_on, fmt):
     with torch.no_grad():
         assert rel_err(block(x), dense(x)) < 1e-5  # moe_decode reading the compact experts
         assert rel_err(block(prefill), dense(prefill)) < 1e-5
-        if fmt.name != "bf16" and kernels._kernels().INT8_DOT:  # x and each expert's act rounded to Q8_0
+        if fmt.name != "bf16" and kernels.compiled().INT8_DOT:  # x and each expert's act rounded to Q8_0
             kernels.set_int8_activations(True)
             assert 1e-6 < rel_err(block(x), dense(x)) < 2e-2  # ~1.0% for both formats here
 

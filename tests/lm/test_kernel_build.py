@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import lm.kernels
+from lm.kernels import tuning
 from lm.kernels.build import build_directory, cached_library, cpu_flags, extension_name, isa, isa_tag
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,26 +51,71 @@ def test_the_avx2_build_of_an_avx512_cpu_has_its_own_name_and_flags(monkeypatch)
     monkeypatch.delenv("QWEN35_CPU_ISA", raising=False)
     avx512 = AVX2 | {"avx512f", "avx512bw", "avx_vnni"}
     native = extension_name(avx512)
-    zen4 = [*build.CFLAGS, "-DQWEN35_GROUP_ZMM=1", "-DQWEN35_BF16_PAIRS=1", "-DQWEN35_BF16_PAIR_ROWS=1"]  # int8_dot.h, vec.h
-    assert build.cflags("AuthenticAMD", 25, 0x11) == zen4 and build.cflags("AuthenticAMD", 25, 0x61) == zen4
-    zen3 = [*build.CFLAGS, "-DQWEN35_PREFETCH_L2=2", "-DQWEN35_PREFETCH_L2_HINT=0", "-DQWEN35_BF16_PREFETCH_L2=0",
-            "-DQWEN35_BF16_PAIRS=1"]  # formats.h, vec.h
-    assert build.cflags("AuthenticAMD", 25, 0x01) == zen3 and build.cflags("AuthenticAMD", 25, 0x21) == zen3
-    assert build.cpu_model("model name\t: AMD EPYC\nmodel\t\t: 1\n") == 1 and build.cpu_model("") == 0
-    milan = "vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\n"  # lm.formats.policy.bf16_groups
-    assert build.on_zen3(milan) and not build.on_zen3(milan.replace(": 1\n", ": 17\n")) and not build.on_zen3(CPUINFO)
-    assert build.cflags("AuthenticAMD", 26) == [*build.CFLAGS, "-DQWEN35_PREFETCH_L2=2"]  # Zen 5: formats.h
-    assert build.cpu_family("cpu family\t: 26\n") == 26 and build.cpu_family("") == 0
-    assert build.cflags("GenuineIntel") == [*build.CFLAGS, "-DQWEN35_PREFETCH_ROWS=1"]  # formats.h: prefetch_ahead
-    assert build.cpu_vendor(CPUINFO) == "GenuineIntel" and build.cpu_vendor(ARM_CPUINFO) == ""
+    assert build.cflags(tuning.ZEN4)[: len(build.CFLAGS)] == build.CFLAGS
+    assert build.cflags(tuning.ZEN4)[len(build.CFLAGS):] == tuning.ZEN4.defines()
     monkeypatch.setenv("QWEN35_CPU_ISA", "avx2")
-    assert build.cflags("AuthenticAMD", 25, 0x11) == [*build.CFLAGS, "-mno-avx512f", "-mno-avxvnni"]
+    assert build.cflags(tuning.GENERIC) == [*build.CFLAGS, "-mno-avx512f", "-mno-avxvnni", *tuning.GENERIC.defines()]
+    assert tuning.current() == tuning.PROFILES[tuning.cpu_class()].for_isa("avx2")
     assert build.build_flags(avx512) == AVX2  # the build's name lists the flags it uses
     forced = extension_name(avx512)
     assert "_avx2_" in forced and forced != native
     monkeypatch.setenv("QWEN35_CPU_ISA", "sse")
     with pytest.raises(ValueError, match="QWEN35_CPU_ISA must be one of native, avx2, got 'sse'"):
         build.cflags()
+
+
+def test_each_cpu_class_has_its_profile_and_each_profile_its_values():
+    """The CPU class comes from vendor, family and model; the profiles hold what each class is tuned by."""
+    milan, genoa = "vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\n", "vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+    assert tuning.cpu_model(milan) == 1 and tuning.cpu_model("") == 0 and tuning.cpu_family(milan) == 25
+    assert tuning.cpu_vendor(CPUINFO) == "GenuineIntel" and tuning.cpu_vendor(ARM_CPUINFO) == ""
+    cls = lambda text, machine="x86_64": tuning.cpu_class(tuning.cpu_vendor(text), tuning.cpu_family(text),  # noqa: E731
+                                                          tuning.cpu_model(text), machine)
+    assert cls(milan) == "zen3" and cls(genoa) == "zen4" and cls(milan.replace(": 1\n", ": 33\n")) == "zen3"
+    assert cls(milan.replace(": 1\n", ": 97\n")) == "zen4" and cls(milan.replace("25", "26")) == "zen5"
+    assert cls(CPUINFO) == "intel" and cls(ARM_CPUINFO, "aarch64") == "arm" and cls("", "x86_64") == "generic"
+    assert cls(milan.replace("25", "23")) == "generic"  # Zen 2 and older AMD
+    assert "-DQWEN35_PREFETCH_ROWS=1" in tuning.INTEL.defines() and "-DQWEN35_PREFETCH_L2=8" in tuning.INTEL.defines()
+    assert not tuning.ZEN3.bf16_groups and all(p.bf16_groups for p in tuning.PROFILES.values() if p is not tuning.ZEN3)
+    assert "-DQWEN35_GROUP_ZMM=1" in tuning.ZEN4.defines()
+    assert tuning.ZEN4.for_isa("avx2").defines() == tuning.GENERIC.defines()  # Zen 4's AVX-512 values only
+    assert "-DQWEN35_PREFETCH_L2_HINT=0" in tuning.ZEN3.for_isa("avx2").defines()
+    with tuning.override(panel_rows=3, moe_pieces=2) as profile:
+        assert tuning.current() is profile and lm.kernels.moe_pieces() == 2
+    assert tuning.current().moe_pieces == 1
+    with pytest.raises(ValueError, match="QWEN35_CPU_ISA must be one of native, avx2"):
+        tuning.GENERIC.for_isa("sse")
+
+
+def _combinations():
+    seen = {}
+    for profile in tuning.PROFILES.values():
+        for isa_name in tuning.ISAS:
+            seen.setdefault((tuple(profile.for_isa(isa_name).defines()), isa_name), f"{profile.cpu}-{isa_name}")
+    return sorted(seen.items(), key=lambda item: item[1])
+
+
+@pytest.mark.slow
+def test_every_profile_and_isa_compiles(tmp_path):
+    """Every profile x ISA of lm/kernels/tuning.py compiles (-fsyntax-only, all kernel sources in one
+    unit, every AVX-512 / AMX branch whatever this CPU), so the branches for other CPUs do not rot;
+    and a build without the profile's values stops at the headers' #error."""
+    from lm.kernels import build
+
+    unit = tmp_path / "all_kernels.cpp"
+    unit.write_text("".join(f'#include "{Path(s).name}"\n' for s in build.SOURCES if not s.endswith("bindings.cpp")))
+    runs = []
+    for (defines, isa_name), label in _combinations():
+        profile = next(p for p in tuning.PROFILES.values() if tuple(p.for_isa(isa_name).defines()) == defines)
+        runs.append((label, subprocess.Popen(build.check_command(profile, isa_name, unit), stderr=subprocess.PIPE,
+                                             text=True)))  # fmt: skip
+        if len(runs) % 2 == 0:  # two at a time
+            runs[-2][1].wait()
+    failed = [f"{label}:\n{run.communicate()[1][-3000:]}" for label, run in runs if run.wait() != 0]
+    assert not failed, "\n".join(failed)
+    bare = [a for a in build.check_command(tuning.GENERIC, "native", unit) if not a.startswith("-DQWEN35_")]
+    run = subprocess.run(bare, capture_output=True, text=True)
+    assert run.returncode != 0 and "come from lm/kernels/tuning.py" in run.stderr
 
 
 def test_a_build_for_another_instruction_set_is_not_loaded(tmp_path, monkeypatch):
@@ -84,7 +130,7 @@ def test_a_build_for_another_instruction_set_is_not_loaded(tmp_path, monkeypatch
 
 @pytest.mark.skipif(lm.kernels.mode() == "0", reason="QWEN35_CPU_KERNELS=0: no kernels")
 def test_the_loaded_kernels_are_this_cpus_build():
-    module = lm.kernels._kernels()
+    module = lm.kernels.compiled()
     assert module is not None, "the CPU kernels did not build (see stderr)"
     assert Path(module.__file__) == cached_library(extension_name())
 
@@ -93,7 +139,7 @@ def test_the_loaded_kernels_are_this_cpus_build():
 def test_the_build_uses_the_int8_dot_products_this_cpu_has():
     from lm.kernels import build
 
-    module = lm.kernels._kernels()
+    module = lm.kernels.compiled()
     flags = build.build_flags(cpu_flags())
     assert module.INT8_DOT == ("avx2" in flags)
     assert module.VNNI == ("avx2" in flags and bool({"avx512_vnni", "avx_vnni"} & flags))  # vpdpbusd where it is
@@ -102,7 +148,7 @@ def test_the_build_uses_the_int8_dot_products_this_cpu_has():
 
 @pytest.mark.skipif(lm.kernels.mode() == "0", reason="QWEN35_CPU_KERNELS=0: no kernels")
 def test_build_command_reports_the_build():
-    lm.kernels._kernels()  # built (once) in this process, so the command only loads it
+    lm.kernels.compiled()  # built (once) in this process, so the command only loads it
     result = subprocess.run([sys.executable, "-m", "lm.kernels.build"], cwd=REPO, capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr

@@ -30,18 +30,18 @@ def test_small_m_linear_equals_f_linear(kernels_on, rows, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # a bf16 weight's copy is bf16
-@pytest.mark.parametrize("rows", [4, 5, 8])  # from kernels.PANEL_ROWS on, decode rows take the panel copy
+@pytest.mark.parametrize("rows", [4, 5, 8])  # from kernels.panel_rows() on, decode rows take the panel copy
 @pytest.mark.parametrize("n", [96, 112, 80])  # whole panels of 48; a last panel of 16; of 32
 def test_decode_products_through_panel_copies_equal_f_linear(kernels_on, monkeypatch, rows, n, dtype):
-    monkeypatch.setattr(kernels, "PANEL_ROWS", 5)  # on whatever this CPU's default (never on AVX2)
+    monkeypatch.setattr(kernels, "panel_rows", lambda: 5)  # on whatever this CPU's default (never on AVX2)
     g = torch.Generator().manual_seed(n)
     x, w, b = torch.randn(rows, 1, 70, generator=g), torch.randn(n, 70, generator=g).to(dtype), torch.randn(n, generator=g)
     assert rel_err(kernels.linear(x, w, b), F.linear(x, w.float(), b)) < 1e-5
-    assert (id(w) in kernels._panels) == (rows >= kernels.PANEL_ROWS)
-    if rows < kernels.PANEL_ROWS:
+    assert (kernels.panel_copy(w) is not None) == (rows >= 5)
+    if rows < 5:
         return
-    assert kernels._panels[id(w)][1].dtype == dtype
-    kernels._panels[id(w)][1].zero_()  # the copy, not the weight, is what the product reads
+    assert kernels.panel_copy(w).dtype == dtype
+    kernels.panel_copy(w).zero_()  # the copy, not the weight, is what the product reads
     assert kernels.linear(x, w).abs().max() == 0
     with torch.no_grad():
         w.mul_(2)  # written in place: the copy is stale and is made again
@@ -133,7 +133,7 @@ def test_fused_moe_block_equals_reference(monkeypatch, rows, pieces):
     block = _perturbed(SparseMoeBlock(config), rows)
     x = torch.randn(rows, 1, config.hidden_size, generator=torch.Generator().manual_seed(1))
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
-    monkeypatch.setattr(kernels, "MOE_PIECES", pieces)  # experts cut into pieces (uneven: 3 into 32 and 48)
+    monkeypatch.setattr(kernels, "moe_pieces", lambda: pieces)  # experts cut into pieces (uneven: 3 into 32 and 48)
     if rows <= kernels.MAX_ROWS:
         assert kernels.moe_decode(x[:, 0], block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj,
                                   4, block.shared_expert.gate_proj.weight, block.shared_expert.up_proj.weight,
@@ -165,7 +165,7 @@ def test_moe_decode_gives_the_same_bits_on_every_call(monkeypatch, rows, pieces)
     with torch.no_grad():
         reference = block(x[:, None])[:, 0]
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
-    k, s, before = kernels._kernels(), block.shared_expert, torch.get_num_threads()
+    k, s, before = kernels.compiled(), block.shared_expert, torch.get_num_threads()
 
     def call():
         return k.moe_decode(x, block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj, 4,
@@ -191,7 +191,7 @@ def test_prefill_experts_give_the_same_bits_on_every_call_and_thread_count(monke
     (Q8_0 / Q4_0 experts), x and each expert's activations are rounded to Q8_0 blocks first."""
     from lm.formats import FORMATS
 
-    if int8 and not kernels._kernels().INT8_DOT:
+    if int8 and not kernels.compiled().INT8_DOT:
         pytest.skip("the int8 dot products are built for AVX2 only")
 
     g = torch.Generator().manual_seed(3)
@@ -219,8 +219,8 @@ def test_prefill_experts_give_the_same_bits_on_every_call_and_thread_count(monke
     finally:
         torch.set_num_threads(before)
         kernels.set_int8_activations(True)
-    wg = kernels._kernels().dequantize(gate_up, H) if fmt != "fp32" else gate_up
-    wd = kernels._kernels().dequantize(down, I) if fmt != "fp32" else down
+    wg = kernels.compiled().dequantize(gate_up, H) if fmt != "fp32" else gate_up
+    wd = kernels.compiled().dequantize(down, I) if fmt != "fp32" else down
     rounded = q8_0_round if int8 else (lambda v: v)
     reference, exact = torch.zeros(N, H), torch.zeros(N, H)
     for n in range(N):
@@ -268,7 +268,7 @@ def test_fused_deltanet_decode_equals_reference(monkeypatch, rows, value_dim, sc
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "0")
     reference = run(lambda x, slot: layer(x[:, None], slot, None)[:, 0])  # the module, reference maths
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
-    k = kernels._kernels()
+    k = kernels.compiled()
 
     def fused(x, slot):  # as decode_step.cpp runs a DeltaNet layer: projections, token step, out_proj
         qkv, z, b, a = k.multi_linear(x, [layer.in_proj_qkv.weight, layer.in_proj_z.weight, layer.in_proj_b.weight,
@@ -349,7 +349,7 @@ def test_decode_attention_kernel_with_per_row_lengths(monkeypatch):
     k, v = torch.randn(3, 2, 20, 64, generator=g), torch.randn(3, 2, 20, 64, generator=g)
     k[1, :, 9:] = v[1, :, 9:] = float("nan")  # beyond row 1's length: never read
     lengths = torch.tensor([20, 9, 1])
-    ours = kernels._kernels().decode_attention(q, k, v, torch.empty(0, dtype=torch.bool), 0.125, lengths)
+    ours = kernels.compiled().decode_attention(q, k, v, torch.empty(0, dtype=torch.bool), 0.125, lengths)
     for b, n in enumerate(lengths.tolist()):
         ref = F.scaled_dot_product_attention(q[b : b + 1, :, None], k[b : b + 1, :, :n], v[b : b + 1, :, :n],
                                              scale=0.125, enable_gqa=True)[:, :, 0]  # fmt: skip
@@ -371,7 +371,7 @@ def test_decode_attention_splits_keys_between_threads(monkeypatch, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        ours = kernels._kernels().decode_attention(q, k, v, keep, 0.125, lengths)
+        ours = kernels.compiled().decode_attention(q, k, v, keep, 0.125, lengths)
     finally:
         torch.set_num_threads(before)
     for b, n in enumerate(lengths.tolist()):
@@ -411,7 +411,7 @@ def test_argmax_kernel_follows_numpy_across_threads_ties_and_nan(monkeypatch, th
     """Greedy sampling's argmax (argmax.cpp): numpy's first largest, or its first NaN, for vectors
     short (one thread, tails) and long (parts per thread; ties and NaNs across the parts' bounds)."""
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
-    k, before = kernels._kernels(), torch.get_num_threads()
+    k, before = kernels.compiled(), torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         g = torch.Generator().manual_seed(threads)
@@ -438,7 +438,7 @@ def test_argmax_rows_equals_argmax_of_each_row(monkeypatch):
     """argmax_rows (the greedy sampler's one call for a batch): each row's argmax, rows of ties,
     NaNs and infinities included, strided rows too; anything but a float32 matrix is refused."""
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
-    k, g = kernels._kernels(), torch.Generator().manual_seed(2)
+    k, g = kernels.compiled(), torch.Generator().manual_seed(2)
     for n in (1, 9, 1 << 15, 248_320):
         x = torch.randint(-3, 3, (5, n), generator=g).float()
         x[1] = torch.randn(n, generator=g)
@@ -475,7 +475,7 @@ def test_release_openmp_workers_ends_this_threads_pool(monkeypatch):
     starts new ones. (With two threads' pools alive on a 2-core machine, libgomp stops spinning
     between regions: a generation in the serving engine's thread ran ~1.3x slower.)"""
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
-    k, before = kernels._kernels(), torch.get_num_threads()
+    k, before = kernels.compiled(), torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         kernels.release_openmp_workers()
@@ -498,7 +498,7 @@ def test_generation_and_engine_submissions_release_their_threads_workers(checkpo
     from lm import SamplingParams, generate
 
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
-    k, before = kernels._kernels(), torch.get_num_threads()
+    k, before = kernels.compiled(), torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         model = mm.load_model(checkpoints("moe_text")[1])
