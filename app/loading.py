@@ -11,6 +11,8 @@ import torch
 from lm.formats.policy import CHOICES as WEIGHTS_CHOICES
 from lm.kernels.compute import CHOICES as COMPUTE_CHOICES
 from lm.kernels.build import prebuild
+from lm.serving import EngineConfig
+from lm.serving.config import MAX_LEN_CAP
 from mm import ModelConfig, Pipeline
 from mm.tokenizer_check import check_tokenizer_files
 
@@ -61,7 +63,7 @@ def load_pipeline(model: str | Path | None, *, device: str = "cpu", dtype: torch
 def engine_options(args: argparse.Namespace) -> dict:
     """The serving engine's options from the arguments of `add_model_arguments`."""
     options = dict(max_batch=args.max_batch)
-    if args.prefix_cache_mb is not None:  # else the engine's default (lm.scheduler.default_prefix_cache_bytes)
+    if args.prefix_cache_mb is not None:  # else the engine's default (lm.serving.default_prefix_cache_bytes)
         options["prefix_cache_bytes"] = int(args.prefix_cache_mb * 2**20)
     if args.max_len is not None:
         options["max_len"] = args.max_len
@@ -103,11 +105,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how prompt prefill and the vision tower multiply: fp32 (exact), bf16, int8 (int8 / int4 "
                              "weights), auto (default: fp32 for float32 weights, else bf16 on CPUs with AMX tiles, "
                              "else int8 for int8 / int4 weights)")
-    parser.add_argument("--max-batch", type=int, default=8, metavar="N",
-                        help="sequences the engine decodes together (its slots; more requests wait) (default: 8)")
+    parser.add_argument("--max-batch", type=int, default=EngineConfig.max_batch, metavar="N",
+                        help="sequences the engine decodes together (its slots; more requests wait) (default: "
+                             f"{EngineConfig.max_batch})")
     parser.add_argument("--max-len", type=int, default=None, metavar="TOKENS",
                         help="the longest sequence (prompt + answer) one slot holds (default: the model's context, "
-                             "at most 32768)")
+                             f"at most {MAX_LEN_CAP})")
     parser.add_argument("--prefix-cache-mb", type=float, default=None, metavar="MB",
                         help="memory for cached prompt states, reused by later requests and chat turns (default: "
                              "2048, or an eighth of the machine's memory when that is less)")

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from lm.scheduler import EngineClosedError
+from lm.serving import EngineClosedError
 from mm.processor import PromptTooLongError
 
 from . import serve_response as shape

@@ -1,6 +1,6 @@
 """The server's one use of the model: `Backend` hands each request's generation to the serving engine.
 
-Every request becomes one request of the pipeline's engine (lm/scheduler.py): concurrent requests
+Every request becomes one request of the pipeline's engine (lm/serving): concurrent requests
 share its batch (up to its slots; the rest wait in order) and its prefix cache. A request that
 is not admitted within `queue_timeout` seconds, because every slot stays busy, is withdrawn and
 answered with `ServerBusy` (a 503). A cancelled generation (the client went away) is withdrawn

@@ -1,6 +1,6 @@
 """tool_choice "required" and a named function, enforced while decoding.
 
-`ToolCallRule` is a `rule` for the serving engine (lm/scheduler.py): before each token it says which
+`ToolCallRule` is a `rule` for the serving engine (lm/serving): before each token it says which
 tokens may come next, so that the answer is one well-formed Qwen3 XML call (app/tool_calls.py):
 
     [thinking ... </think>\\n\\n]<tool_call>\\n<function=NAME>\\n

@@ -1,4 +1,4 @@
-"""The serving engine (lm/scheduler.py) on the bench model: batching, prefill beside decode, prefix cache.
+"""The serving engine (lm/serving) on the bench model: batching, prefill beside decode, prefix cache.
 
     python -m bench.serve --checkpoint DIR [--quick]
 
@@ -37,7 +37,7 @@ from app.default_model import default_model_path
 from bench.limits import ReadBandwidth
 from bench.lm import weight_bytes_per_step
 from lm import SamplingParams
-from lm.scheduler import Engine
+from lm.serving import Engine
 from mm import ModelConfig, Pipeline, Processor, VLModel
 from vision import VisionModel
 

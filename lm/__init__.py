@@ -9,7 +9,7 @@ __all__ = [
     "Cache", "CacheOverflowError", "CausalLM", "CheckpointReader", "ConfigError", "TextConfig",
     "WeightError", "load_lm_weights",
 ]
-from .engine import TokenEvent, generate, stream_generate  # noqa: E402
+from .serving import TokenEvent, generate, stream_generate  # noqa: E402
 from .sampling import Sampler, SamplingParams  # noqa: E402
 
 __all__ += ["Sampler", "SamplingParams", "TokenEvent", "generate", "stream_generate"]

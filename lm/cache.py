@@ -7,7 +7,7 @@ Two ways to share a cache between rows:
 - one write position (`length`) for all rows: prompts are left-padded, and `key_mask` records which
   positions are real (`stream_generate`'s static batches);
 - ragged (`lengths`, one per row): each row has its own length and no padding, for the serving
-  engine's decode steps, whose rows joined at different times (lm/slots.py builds these views over
+  engine's decode steps, whose rows joined at different times (lm/serving/slots.py builds these views over
   its per-slot storage). A ragged cache takes one token per row per forward.
 """
 
@@ -90,7 +90,7 @@ class Cache:
              linear: dict[int, tuple[torch.Tensor, torch.Tensor]], *, length: int, max_len: int) -> "Cache":
         """An unpadded cache over existing tensors (views, written in place) with `length` positions
         written: `kv` maps each full-attention layer to its (k, v) [B, KV, >=length, D], `linear` each
-        DeltaNet layer to its (conv, recurrent). (lm/slots.py: a slot's state, a snapshot.)"""
+        DeltaNet layer to its (conv, recurrent). (lm/serving/slots.py: a slot's state, a snapshot.)"""
         self = cls.__new__(cls)
         self.max_len, self.length, self.lengths = max_len, length, None
         first = next(iter({**kv, **linear}.values()))[0]

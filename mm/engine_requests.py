@@ -1,4 +1,4 @@
-"""One conversation's model inputs as a serving-engine request (`lm.scheduler.Prompt`).
+"""One conversation's model inputs as a serving-engine request (`lm.serving.Prompt`).
 
 - The prefix-cache key is the token ids with each image's or video's placeholder tokens replaced by
   a hash of its pixels and grid: the same picture gives the same key, a different one never does.
@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 import torch
 
-from lm.scheduler import Prompt
+from lm.serving import Prompt
 
 from .fusion import scatter_vision
 from .model import VLModel

@@ -1,6 +1,6 @@
 """`Pipeline`: chat conversations (text, images, videos) in, answers out. All front ends call this.
 
-Every answer goes through one serving engine per pipeline (lm/scheduler.py): `generate` and
+Every answer goes through one serving engine per pipeline (lm/serving): `generate` and
 `stream` may be called from several threads at once; their requests share the engine's batch, its
 prefix cache (a chat's later turns reuse the earlier ones) and a cache of vision features.
 """
@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from lm import SamplingParams
-from lm.scheduler import Engine
+from lm.serving import Engine, EngineConfig
+from lm.serving.config import MAX_LEN_CAP
 
 from .chat import split_thinking
 from .config import ModelConfig
@@ -60,12 +61,15 @@ class Pipeline:
     def __init__(self, model: VLModel, processor: Processor, *, max_context: int | None = None,
                  engine_options: dict[str, Any] | None = None):  # fmt: skip
         """TokenizerMismatchError when the processor's tokenizer disagrees with the model (see
-        mm.tokenizer_check). `engine_options`: keyword arguments of `lm.scheduler.Engine` (max_batch,
-        max_len, step_tokens, prefix_cache_bytes, ...)."""
+        mm.tokenizer_check). `engine_options`: the serving engine's options, an `lm.serving.EngineConfig` or a
+        dict of its fields (max_batch, max_len, step_tokens, prefix_cache_bytes, ...)."""
         check_tokenizer(processor.tokenizer, model.config, model.eos_token_ids())
         self.model, self.processor = model, processor
         self.max_context = max_context or model.config.text.max_position_embeddings
+        if isinstance(engine_options, EngineConfig):
+            engine_options = {f: getattr(engine_options, f) for f in engine_options.__dataclass_fields__}
         self.engine_options = dict(engine_options or {})
+        EngineConfig.of(**self.engine_options)  # an unknown or bad option fails here, not at the first request
         self._engine: Engine | None = None
         self._engine_lock = threading.Lock()
         self.vision_cache = VisionCache()
@@ -139,12 +143,11 @@ class Pipeline:
     @property
     def engine(self) -> Engine:
         """The serving engine all generation goes through (made on first use): requests from any
-        thread share its batch and its prefix cache (lm/scheduler.py)."""
+        thread share its batch and its prefix cache (lm/serving)."""
         with self._engine_lock:
             if self._engine is None:
-                options = dict(max_len=min(self.max_context, 32768))
-                options.update(self.engine_options)
-                self._engine = Engine(self.model.lm, eos_token_ids=self.model.eos_token_ids(), **options)
+                config = EngineConfig.of(**{"max_len": min(self.max_context, MAX_LEN_CAP), **self.engine_options})
+                self._engine = Engine(self.model.lm, eos_token_ids=self.model.eos_token_ids(), config=config)
             return self._engine
 
     @property
@@ -156,7 +159,7 @@ class Pipeline:
                enable_thinking: bool | None = None, template_kwargs: dict[str, Any] | None = None,
                rule=None) -> "Answer":  # fmt: skip
         """Start one conversation's answer in the engine; returns at once (see `Answer`). `rule`:
-        a constraint on each next token (see `lm.scheduler.Engine.submit`)."""
+        a constraint on each next token (see `lm.serving.Engine.submit`)."""
         params = params or self.default_params()
         start = time.perf_counter()
         inputs = self.prepare([conversation], params, enable_thinking, template_kwargs)

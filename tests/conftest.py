@@ -48,8 +48,8 @@ def q8_0_round(v: torch.Tensor) -> torch.Tensor:
 
 
 def count_step_tokens(monkeypatch, module) -> list[bool]:
-    """A list that records, for each call of `module.step_tokens` from now on (lm.engine's or
-    lm.scheduler's), whether the CPU plan took the step (lm.decode.step_tokens gave logits)."""
+    """A list that records, for each call of `module.step_tokens` from now on (the generation
+    core's, lm/serving/runner.py), whether the CPU plan took the step (lm.decode.step_tokens gave logits)."""
     from lm.decode import step_tokens
 
     taken = []

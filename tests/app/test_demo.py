@@ -57,10 +57,10 @@ def texts(message: dict) -> str:
 
 
 def test_text_turns_stream_and_continue(client, monkeypatch):
-    from lm.scheduler import Engine
+    from lm.serving import runner
 
-    decode = Engine._decode  # tokens slower than the page's updates: a fast machine decodes the 10 tokens
-    monkeypatch.setattr(Engine, "_decode", lambda self: (time.sleep(0.05), decode(self))[1])  # in one update
+    decode = runner.decode  # tokens slower than the page's updates: a fast machine decodes the 10 tokens
+    monkeypatch.setattr(runner, "decode", lambda *a: (time.sleep(0.05), decode(*a))[1])  # in one update
     history, updates = chat(client, "Hello there")
     assert [m["role"] for m in history] == ["user", "assistant"]
     assert texts(history[0]) == "Hello there" and texts(history[1])

@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from app.loading import add_model_arguments, engine_options
-from lm.scheduler import default_prefix_cache_bytes
+from lm.serving import default_prefix_cache_bytes
 
 
 def _parse(*argv: str) -> argparse.Namespace:

@@ -151,7 +151,7 @@ def test_a_stopped_engine_makes_health_503_and_requests_fail_at_once(small_serve
     def fatal(self):
         raise SystemExit("the engine loop broke")
 
-    monkeypatch.setattr(type(engine), "_step", fatal)
+    monkeypatch.setattr(type(engine.scheduler), "step", fatal)
     body = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     first = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
     assert first.status_code == 503 and "engine stopped" in first.json()["error"]["message"]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import lm.engine
+import lm.serving.runner
 import lm.model
 import mm
 from lm import SamplingParams, stream_generate
@@ -209,7 +209,7 @@ def test_generation_decodes_through_python_ints(checkpoints, monkeypatch):
     model = mm.load_model(path)
     ids = torch.randint(3, 500, (2, 7), generator=torch.Generator().manual_seed(6))
     params = [SamplingParams(max_new_tokens=3), SamplingParams(max_new_tokens=6)]
-    taken = count_step_tokens(monkeypatch, lm.engine)
+    taken = count_step_tokens(monkeypatch, lm.serving.runner)
 
     def tokens():
         out = [[], []]

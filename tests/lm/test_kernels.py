@@ -493,7 +493,7 @@ def test_release_openmp_workers_ends_this_threads_pool(monkeypatch):
 def test_generation_and_engine_submissions_release_their_threads_workers(checkpoints, monkeypatch):
     """stream_generate ends its thread's OpenMP workers when it ends; Engine.submit ends the
     submitting thread's (the engine's thread decodes); load_model ends the loading thread's."""
-    import lm.scheduler
+    import lm.serving
     import mm.loading
     from lm import SamplingParams, generate
 
@@ -510,7 +510,7 @@ def test_generation_and_engine_submissions_release_their_threads_workers(checkpo
         assert _settles_at(base)
         released = []
         monkeypatch.setattr(kernels, "release_openmp_workers", lambda: released.append(threading.current_thread()))
-        engine = lm.scheduler.Engine(model.lm)
+        engine = lm.serving.Engine(model.lm)
         try:
             assert len(engine.submit([5, 6, 7], SamplingParams(max_new_tokens=2)).result()) == 2
         finally:

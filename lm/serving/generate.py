@@ -1,9 +1,10 @@
-"""Batched generation with the cache: chunked prefill, then one decode step per token for all live rows.
+"""Synchronous batched generation: chunked prefill, then one decode step per token for all live rows.
 
 Prompts of different lengths are left-padded into one batch. After the prompt, every row's next
 position is one past the largest position of its prompt (for text that is the count of real
 tokens; for mRoPE prompts it is `max position + 1`, the same as transformers' rope deltas). Rows
 that finish are dropped from the batch and from the cache, so the others do not pay for them.
+The prefill forward, the decode step and the finish rules are the serving engine's (runner.py).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels
-from .decode import step_tokens
-from .model import CausalLM
-from .sampling import Sampler, SamplingParams
+from .. import kernels
+from ..model import CausalLM
+from ..sampling import Sampler, SamplingParams
+from . import runner
+from .config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ def stream_generate(
     inputs_embeds: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     eos_token_ids: tuple[int, ...] = (),
-    prefill_chunk: int = 1024,
+    prefill_chunk: int = EngineConfig.prefill_chunk,
     max_len: int | None = None,
     stop_when: Callable[[int, list[int]], bool] | None = None,
 ) -> Iterator[TokenEvent]:
@@ -68,14 +70,13 @@ def _generate(lm, input_ids, params, attention_mask, inputs_embeds, positions, e
     sampler = Sampler(params, prompts, device=logits.device)
     rows, outputs = list(range(b)), [[] for _ in range(b)]
     positions = next_pos.tolist()  # each live row's next position, as Python ints
+    stops = [None if stop_when is None else (lambda tokens, row=row: stop_when(row, tokens)) for row in range(b)]
     while rows:
         tokens = sampler(logits, rows, outputs)
         alive = []
         for i, (row, token) in enumerate(zip(rows, tokens)):
             outputs[row].append(token)
-            reason = _finish_reason(token, len(outputs[row]), params[row], eos_token_ids)
-            if reason is None and stop_when is not None and stop_when(row, outputs[row]):
-                reason = "stop"
+            reason = runner.finish_reason(outputs[row], params[row], eos_token_ids, stops[row])
             yield TokenEvent(row, token, reason)
             if reason is None:
                 alive.append(i)
@@ -86,13 +87,7 @@ def _generate(lm, input_ids, params, attention_mask, inputs_embeds, positions, e
             rows = [rows[i] for i in alive]
             tokens = [tokens[i] for i in alive]
             positions = [positions[i] for i in alive]
-        # the CPU decode plan's step from Python ints (lm/decode.py), once the model's first decode
-        # step has made it; else the model
-        logits = step_tokens(cache, tokens, positions)
-        if logits is None:
-            x = torch.tensor([[token] for token in tokens], device=next_pos.device)  # [B', 1]
-            pos = torch.tensor(positions, device=next_pos.device)
-            logits = lm(x, positions=pos[None, :, None].expand(3, -1, 1), cache=cache)[:, -1]
+        logits, _ = runner.decode(lm, cache, tokens, positions)
         positions = [p + 1 for p in positions]
 
 
@@ -111,24 +106,10 @@ def _prefill(lm, cache, input_ids, mask, inputs_embeds, positions, chunk: int):
         end = min(start + chunk, t)
         pos = positions[:, :, start:end] if positions is not None else None
         embeds = inputs_embeds[:, start:end] if inputs_embeds is not None else None
-        logits = lm(
-            input_ids[:, start:end] if embeds is None else None,
-            inputs_embeds=embeds,
-            positions=pos,
-            attention_mask=mask[:, start:end],
-            cache=cache,
-            last_only=True,
-        )[:, -1]
+        logits = runner.prefill(lm, cache, input_ids=input_ids[:, start:end] if embeds is None else None,
+                                inputs_embeds=embeds, positions=pos, attention_mask=mask[:, start:end])
     if positions is None:
         next_pos = mask.long().sum(-1)
     else:
         next_pos = positions.masked_fill(~mask.bool()[None], 0).amax(dim=(0, 2)) + 1
     return logits, next_pos
-
-
-def _finish_reason(token: int, count: int, p: SamplingParams, eos: tuple[int, ...]) -> str | None:
-    if token in eos or token in p.stop_token_ids:
-        return "stop"
-    if count >= p.max_new_tokens:
-        return "length"
-    return None

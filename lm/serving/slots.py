@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .cache import Cache, KVSlot
-from .config import TextConfig
+from ..cache import Cache, KVSlot
+from ..config import TextConfig
 
 
 class SlotStore:

@@ -1,4 +1,4 @@
-"""The serving engine (lm/scheduler.py): continuous batching equals one request at a time, the
+"""The serving engine (lm/serving): continuous batching equals one request at a time, the
 prefix cache is exact, memory stays bounded."""
 
 import threading
@@ -9,8 +9,8 @@ import torch
 
 import mm
 from lm import SamplingParams, generate
-from lm.scheduler import Engine, Prompt, RequestTooLargeError
-from lm.slots import trimmed
+from lm.serving import Engine, Prompt, RequestTooLargeError
+from lm.serving.slots import trimmed
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_continuous_batching_equals_one_at_a_time(request, which):
 def test_prompts_waiting_together_are_prefilled_together(lm_moe):
     engine = Engine(lm_moe, max_batch=4, prefix_cache_bytes=1 << 20)
     specs = [(_prompt(60 + i, n), m) for i, (n, m) in enumerate([(5, 8), (23, 4), (11, 12), (2, 6), (17, 9)])]
-    with engine._cond:  # the engine thread waits: all five are queued at its first step
+    with engine.paused():  # the engine thread waits: all five are queued at its first step
         handles = [engine.submit(ids, SamplingParams(max_new_tokens=m)) for ids, m in specs]
     outs = [h.result() for h in handles]
     assert engine.counters["grouped_prefills"] >= 1
@@ -150,14 +150,14 @@ def test_named_snapshots_are_capped_per_prompt(lm_moe):
     engine = Engine(lm_moe, snapshot_every=10_000, named_snapshots=3)
     ids = _prompt(11, 60)
     engine.submit(Prompt(ids, snapshot_at=tuple(range(5, 60, 5))), SamplingParams(max_new_tokens=1)).result()
-    assert sorted(len(s.key) for s in engine.prefix._entries.values()) == [5, 50, 55, 60]
+    assert sorted(len(s.key) for s in engine.prefix.snapshots()) == [5, 50, 55, 60]
     engine.close()
     with pytest.raises(ValueError, match="named_snapshots must be >= 1"):
         Engine(lm_moe, named_snapshots=0)
 
 
 def test_a_snapshot_larger_than_the_budget_is_never_copied(lm_moe, monkeypatch):
-    from lm import scheduler
+    from lm.serving import scheduler
 
     copies = []
     monkeypatch.setattr(scheduler, "trimmed", lambda cache, copy: copies.append(copy) or trimmed(cache, copy=copy))
@@ -249,16 +249,17 @@ def test_engine_decodes_through_python_ints_and_one_argmax(lm_moe, monkeypatch):
     """The engine's decode steps take step_tokens (the CPU plan over ragged rows) after the first
     step on each batch size, and pick the rows in one argmax call when every row is greedy with no
     penalty; a penalised row sends the step through each row's sampler. Both equal each alone."""
-    import lm.scheduler
+    import lm.serving.runner
     from tests.conftest import count_step_tokens
 
-    taken = count_step_tokens(monkeypatch, lm.scheduler)
+    taken = count_step_tokens(monkeypatch, lm.serving.runner)
     engine = Engine(lm_moe, max_batch=3, prefix_cache_bytes=0)
     specs = [(_prompt(70, 9), SamplingParams(max_new_tokens=8)), (_prompt(71, 14), SamplingParams(max_new_tokens=12)),
              (_prompt(72, 5), SamplingParams(max_new_tokens=5, repetition_penalty=1.3))]
-    with engine._cond:  # all three start decoding together
+    with engine.paused():  # all three start decoding together
         handles = [engine.submit(ids, params) for ids, params in specs]
     outs = [h.result() for h in handles]
     engine.close()
+    taken = list(taken)  # the engine's steps (the reference below decodes through the same core)
     assert outs == [generate(lm_moe, torch.tensor([ids]), params)[0] for ids, params in specs]
     assert len(taken) == 11 and taken.count(False) <= 3  # a first step per batch size (3, 2, 1 rows)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .cache import Cache
+from ..cache import Cache
 
 
 @dataclass
@@ -50,6 +50,10 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def snapshots(self) -> list[Snapshot]:
+        """The stored snapshots, least recently used first."""
+        return list(self._entries.values())
 
     def lookup(self, key: Sequence[int], *, count: bool = True) -> Snapshot | None:
         """The snapshot of the longest stored prefix of `key` (marked recently used), or None."""

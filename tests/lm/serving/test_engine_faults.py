@@ -1,4 +1,4 @@
-"""Fault isolation in the serving engine (lm/scheduler.py): an exception while admitting,
+"""Fault isolation in the serving engine (lm/serving): an exception while admitting,
 prefilling, sampling or decoding fails the requests it belongs to, and the engine goes on."""
 
 import pytest
@@ -6,9 +6,10 @@ import torch
 
 import mm
 from lm import SamplingParams
-from lm import scheduler as scheduler_module
-from lm.scheduler import Engine, EngineClosedError
-from tests.lm.test_scheduler import _alone, _prompt
+from lm.serving import runner as runner_module
+from lm.serving import Engine, EngineClosedError
+from lm.serving.scheduler import Scheduler
+from tests.lm.serving.test_scheduler import _alone, _prompt
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def test_a_fault_in_each_phase_fails_that_request_only(lm_moe):
 
 def test_a_failed_decode_step_fails_its_rows_and_the_engine_goes_on(lm_moe, monkeypatch):
     engine = Engine(lm_moe, max_batch=2, prefix_cache_bytes=0)
-    real = scheduler_module.step_tokens
+    real = runner_module.step_tokens
     calls = {"n": 0}
 
     def flaky(*args):
@@ -79,7 +80,7 @@ def test_a_failed_decode_step_fails_its_rows_and_the_engine_goes_on(lm_moe, monk
             raise RuntimeError("a decode step failed")
         return real(*args)
 
-    monkeypatch.setattr(scheduler_module, "step_tokens", flaky)
+    monkeypatch.setattr(runner_module, "step_tokens", flaky)
     first = engine.submit(_prompt(20, 8), SamplingParams(max_new_tokens=8))
     with pytest.raises(RuntimeError, match="decode step failed"):
         first.result()
@@ -95,11 +96,11 @@ def test_a_dead_engine_thread_is_reported_and_refuses_new_requests(lm_moe, monke
     def fatal(self):
         raise SystemExit("the loop itself broke")
 
-    monkeypatch.setattr(Engine, "_step", fatal)
+    monkeypatch.setattr(Scheduler, "step", fatal)
     doomed = engine.submit(_prompt(30, 6), SamplingParams(max_new_tokens=3))
     with pytest.raises(EngineClosedError, match="the engine stopped"):
         doomed.result()
-    engine._thread.join(timeout=30)
+    engine.join(timeout=30)
     assert not engine.alive and "loop itself broke" in str(engine.dead)
     with pytest.raises(EngineClosedError, match="the engine stopped"):
         engine.submit(_prompt(31, 6), SamplingParams(max_new_tokens=3))

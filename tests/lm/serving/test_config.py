@@ -1,0 +1,36 @@
+"""EngineConfig: every engine option with its default written once, checked where it is made."""
+
+import argparse
+
+import pytest
+
+from lm.serving import EngineConfig, default_prefix_cache_bytes
+from lm.serving.config import MAX_LEN_CAP
+
+
+def test_options_replace_fields_and_bad_ones_are_named():
+    config = EngineConfig.of(max_batch=4, step_tokens=64)
+    assert (config.max_batch, config.step_tokens, config.prefill_chunk) == (4, 64, EngineConfig.prefill_chunk)
+    assert EngineConfig.of(config, max_batch=2).step_tokens == 64  # on top of another config
+    with pytest.raises(TypeError, match="unknown engine option.*max_batches.*known: .*max_batch"):
+        EngineConfig.of(max_batches=4)
+    with pytest.raises(ValueError, match="step_tokens must be >= 1"):
+        EngineConfig(step_tokens=0)
+    with pytest.raises(ValueError, match="prefix_cache_bytes must be >= 0"):
+        EngineConfig(prefix_cache_bytes=-1)
+
+
+def test_derived_values_follow_the_defaults():
+    assert EngineConfig().cache_bytes() == default_prefix_cache_bytes() and EngineConfig(prefix_cache_bytes=0).cache_bytes() == 0
+    assert EngineConfig().slot_length(262144) == MAX_LEN_CAP and EngineConfig().slot_length(4096) == 4096
+    assert EngineConfig(max_len=100).slot_length(262144) == 100
+
+
+def test_the_command_line_takes_its_defaults_from_the_config():
+    from app.loading import add_model_arguments, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    args = parser.parse_args([])
+    assert engine_options(args) == {"max_batch": EngineConfig.max_batch}  # the rest: the config's own defaults
+    assert EngineConfig.of(**engine_options(parser.parse_args(["--prefix-cache-mb", "1"]))).cache_bytes() == 2**20
