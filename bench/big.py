@@ -29,7 +29,7 @@ from mm.config import ModelConfig
 from lm.kernels.compute import CHOICES
 from mm.loading import allocate, set_compute
 from mm.model import VLModel
-from mm.weight_cache import write_safetensors
+from lm.weight_cache import write_safetensors
 
 CONFIG = Path(__file__).resolve().parents[1] / "tests/data/reference/qwen3.5-35b-a3b.config.json"
 

@@ -9,19 +9,19 @@ import torch
 
 from lm import CheckpointReader, WeightError, load_lm_weights
 from lm.formats import policy
-from lm.hugepages import advise_huge_pages, gather_into_huge_pages
-from lm.kernels import bf16_groups, release_openmp_workers
+from lm.hugepages import advise_huge_pages
+from lm.kernels import release_openmp_workers
 from lm.kernels.compute import check as check_compute
 from lm.kernels.compute import cpu_flags, say_once
 from lm.linear import Linear
 from lm.moe import Experts
-from lm.malloc import release_large_buffers
-from lm.weights import heads_tied, lm_param_name, use_formats
+from lm.storage import allocate_lm, checkpoint_dtype, compact, plan_formats, settle_memory
+from lm.weight_cache import WeightCache
+from lm.weights import lm_param_name
 from vision import load_vision_weights
 
 from .config import ModelConfig, read_config_json
 from .model import VLModel
-from .weight_cache import WeightCache
 
 MTP_PREFIX = "mtp."  # multi-token-prediction head: in real checkpoints, not used here
 
@@ -42,7 +42,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     are for CPU. Every model parameter must be in the checkpoint and every checkpoint tensor must
     be used, except `mtp.*`, which is skipped; otherwise a `WeightError` names the tensor. FP8
     checkpoints (Qwen's block-wise e4m3) are dequantized on reading; other quantization methods
-    are refused by name. Weights converted to int8 / int4 are cached on disk (mm/weight_cache.py),
+    are refused by name. Weights converted to int8 / int4 are cached on disk (lm/weight_cache.py),
     so that the next start of the same checkpoint and spec reads them instead of converting.
     `compute` ("auto", "fp32", "bf16", "int8"; lm/kernels/compute.py) is how prefill products and
     the vision tower multiply: "fp32" is the exact path; "auto" keeps float32 weights exact and
@@ -58,8 +58,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     with torch.device("meta"):
         model = VLModel(config)
     model = model.to(dtype=dtype)
-    formats = _formats(model, reader, weights, device, dtype)
-    vision = policy.vision_dtype(weights, _checkpoint_dtype(reader)) if _compact(device, dtype) else None
+    formats = plan_formats(model.lm, reader, weights, device, dtype)
+    vision = policy.vision_dtype(weights, checkpoint_dtype(reader)) if compact(device, dtype) else None
     model = allocate(model, formats, device, vision)
     cache = WeightCache(path, weights) if any(f.blocked for f in formats.values()) else None
     if cache is not None and cache.load_into(model.lm):  # converted at an earlier start
@@ -112,44 +112,18 @@ def vision_compute(compute: str, visual) -> str:
 
 def allocate(model: VLModel, formats: dict, device: str | torch.device,
              vision_dtype: torch.dtype | None = None) -> VLModel:
-    """A model built on the meta device, allocated on `device` with each LM parameter named in
-    `formats` in the storage of its format (lm/formats), the vision tower's matrices in
-    `vision_dtype` (None: the model's dtype), the rest in the model's dtype; unfilled."""
-    use_formats(model.lm, formats)
-    if model.visual is not None and vision_dtype is not None:
-        model.visual.store_matrices_in(vision_dtype)
-    tied = heads_tied(model.lm)
-    model = model.to_empty(device=device)
-    advise_huge_pages(model.parameters())  # before the first write: decode streams these pages
+    """A model built on the meta device, allocated on `device`: the LM as lm.storage.allocate_lm
+    places it (each parameter named in `formats` in its storage format), the vision tower's
+    matrices in `vision_dtype` (None: the model's dtype); unfilled."""
+    allocate_lm(model.lm, formats, device)
+    if model.visual is not None:
+        if vision_dtype is not None:
+            model.visual.store_matrices_in(vision_dtype)
+        model.visual.to_empty(device=device)
+        advise_huge_pages(model.visual.parameters())
     if torch.device(device).type == "cpu":
-        gather_into_huge_pages(model.lm.parameters())  # all but the tiny ones, into one buffer of them
-        release_large_buffers(sum(p.numel() * p.element_size() for p in model.parameters()))
-    model.lm.init_buffers()
-    if tied:
-        model.lm.tie_weights()
+        settle_memory(model)
     return model
-
-
-def _formats(model: VLModel, reader: CheckpointReader, weights: str, device, dtype: torch.dtype) -> dict:
-    """The storage format of each large LM weight; compact formats only on CPU with float32 compute."""
-    shapes = {n: tuple(p.shape) for n, p in model.lm.named_parameters(remove_duplicate=False)}
-    if not _compact(device, dtype):
-        if weights != "auto":
-            raise ValueError(f"weights={weights!r} is for CPU with float32 compute; on {device} in {dtype} the "
-                             "weights are stored in the model dtype (use weights='auto')")
-        return {}
-    return policy.plan(shapes, weights, _checkpoint_dtype(reader), groups=bf16_groups())
-
-
-def _compact(device, dtype: torch.dtype) -> bool:
-    """Whether storage formats apply: CPU with float32 compute."""
-    return torch.device(device).type == "cpu" and dtype == torch.float32
-
-
-def _checkpoint_dtype(reader: CheckpointReader) -> torch.dtype:
-    """The dtype the checkpoint stores its weights in (that of its embedding table)."""
-    embed = next((k for k in reader.keys() if k.endswith("embed_tokens.weight")), None)
-    return reader.dtype(embed) if embed else torch.float32
 
 
 def _fp8_block(config: dict, path: Path) -> tuple[int, int] | None:

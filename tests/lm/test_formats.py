@@ -506,7 +506,7 @@ def _private_weight_cache(tmp_path, monkeypatch):
 
 def test_converted_weights_are_cached_and_rebuilt_when_stale_or_damaged(tmp_path, monkeypatch):
     from lm.formats import blocks
-    from mm.weight_cache import WeightCache
+    from lm.weight_cache import WeightCache
 
     path = _bf16_checkpoint(tmp_path, "moe_text", shared_expert_intermediate_size=64)
     first = mm.load_model(path, weights="int4")
@@ -546,6 +546,7 @@ def test_converted_weights_are_cached_and_rebuilt_when_stale_or_damaged(tmp_path
     assert not stale.exists() and len(list(stale.parent.glob("*"))) == 2
 
 
+@pytest.mark.subprocess
 def test_loading_streams_within_the_final_size_plus_the_largest_tensor(tmp_path):
     """A compact load never holds the float32 model: the peak growth of anonymous memory (sampled;
     the checkpoint's mmap'd pages belong to the page cache) <= final size + the largest checkpoint

@@ -176,14 +176,14 @@ def test_parameters_from_64_kib_up_are_gathered_into_one_huge_page_buffer():
 def test_a_loaded_model_gathers_its_mid_size_weights_and_computes_the_same(checkpoints, monkeypatch):
     """load_model moves the mid-size LM weights into the shared buffer before filling them (the tiny
     model's weights are all small: the threshold is lowered to 1 KiB here), and the logits stay."""
-    import mm.loading
+    import lm.storage
     from lm.hugepages import gather_into_huge_pages
 
     _, ckpt = checkpoints("moe_text")
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.no_grad():
         reference = mm.load_model(ckpt, weights="int8").lm(ids)
-        monkeypatch.setattr(mm.loading, "gather_into_huge_pages", lambda ps: gather_into_huge_pages(ps, low=1024))
+        monkeypatch.setattr(lm.storage, "gather_into_huge_pages", lambda ps: gather_into_huge_pages(ps, low=1024))
         model = mm.load_model(ckpt, weights="int8")
         mid = [p for p in model.lm.parameters() if 1024 <= p.numel() * p.element_size() < 4 << 20]
         assert len(mid) > 4 and len({p.untyped_storage().data_ptr() for p in mid}) == 1

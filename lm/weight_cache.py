@@ -28,8 +28,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from lm.kernels import bf16_groups
-from lm.weights import SAFETENSORS_DTYPES
+from .kernels import bf16_groups
+from .weights import SAFETENSORS_DTYPES
 
 FORMAT_VERSION = 5  # bump when a format's layout or the conversion changes (2: int4 rows in groups of 8, 3: int8's too, 4: the router in bf16, 5: bf16 rows in groups of 8)
 FILE, META = "lm.safetensors", "meta.json"
