@@ -34,3 +34,18 @@ def test_the_command_line_takes_its_defaults_from_the_config():
     args = parser.parse_args([])
     assert engine_options(args) == {"max_batch": EngineConfig.max_batch}  # the rest: the config's own defaults
     assert EngineConfig.of(**engine_options(parser.parse_args(["--prefix-cache-mb", "1"]))).cache_bytes() == 2**20
+
+
+def test_the_pipeline_takes_a_config_or_its_fields_and_names_a_bad_one_at_once():
+    from mm import Pipeline, load_model
+    from mm.default_model import default_model_path
+    from mm.processor import Processor
+
+    path = default_model_path()
+    model, processor = load_model(path), Processor.from_pretrained(path)
+    with pytest.raises(TypeError, match="unknown engine option.*max_batches"):
+        Pipeline(model, processor, engine_options={"max_batches": 2})  # before any request
+    pipeline = Pipeline(model, processor, engine_options=EngineConfig(max_batch=3, step_tokens=32))
+    assert pipeline.engine.config.max_batch == 3 and pipeline.engine.config.step_tokens == 32
+    assert pipeline.engine.max_len == min(model.config.text.max_position_embeddings, MAX_LEN_CAP)
+    pipeline.engine.close()
