@@ -1,12 +1,13 @@
 # Two commands do everything on a fresh machine:
 #   make demo   set up .venv, build the CPU kernels, start the Gradio demo (built-in random model unless MODEL=PATH)
 #   make test   set up .venv, build the CPU kernels (and install Debian's chromium for the browser test), run the tests
+# make test-fast runs the fast tier: no test marked slow, subprocess or browser (pyproject.toml's markers).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 MODEL ?=
 
-.PHONY: install kernels chromium demo test bench
+.PHONY: install kernels chromium demo test test-fast bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -31,6 +32,9 @@ demo: kernels
 
 test: kernels chromium
 	$(BIN)/python -m pytest
+
+test-fast: kernels
+	$(BIN)/python -m pytest -m "not slow and not subprocess and not browser"
 
 bench: kernels
 	$(BIN)/python -m bench.lm

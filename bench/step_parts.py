@@ -13,10 +13,9 @@ per round, with the read bandwidth probed before it:
   projections; the MoE blocks (`moe_decode`) or dense MLPs; the RMS norms; with the bytes each
   reads (and writes, for the states) per second.
 Medians of `--calls` calls each, each call after a read of 4x the last-level cache (untimed), so
-that its weights and states come from memory, as in a step (before, the parts of a few tens of MB,
-such as 12 layers' out_proj, read partly from the L3, faster than the probe). The parts do not add
-up to the step exactly: a step's parts run after one another, warming each other's caches, and
-the memory state moves between rounds.
+that its weights and states come from memory, as in a step. The parts do not add up to the step
+exactly: a step's parts run after one another, warming each other's caches, and the memory state
+moves between rounds.
 """
 
 from __future__ import annotations

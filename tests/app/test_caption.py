@@ -40,6 +40,7 @@ def folder(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_folder_with_bad_files_gives_a_record_each(folder, tmp_path, capsys):
     out = tmp_path / "captions.jsonl"
     assert caption.main([str(folder), "--out", str(out), "--batch-size", "4", "--workers", "2", *FAST]) == 0
@@ -64,6 +65,7 @@ def test_folder_with_bad_files_gives_a_record_each(folder, tmp_path, capsys):
     assert len(read_records(out)) == 8
 
 
+@pytest.mark.slow
 def test_shards_cover_every_video_once(folder, tmp_path):
     outs = [tmp_path / f"shard{i}.jsonl" for i in range(2)]
     for i, out in enumerate(outs):
@@ -92,6 +94,7 @@ def test_shard_assignment_is_stable_and_complete():
             parse_shard(bad)
 
 
+@pytest.mark.subprocess
 def test_sigkill_then_resume_captions_each_video_once(tmp_path):
     videos = write_videos(tmp_path / "videos", 12)
     out = tmp_path / "captions.jsonl"
@@ -185,6 +188,7 @@ def test_a_store_that_wrote_nothing_leaves_no_file(tmp_path):
     assert read_records(made) == [{"path": "/v.mp4", "error": None}]
 
 
+@pytest.mark.slow
 def test_retry_errors_redoes_only_failed_videos(tmp_path, capsys):
     videos = write_videos(tmp_path / "v", 2)
     late, corrupt = tmp_path / "v" / "late.mp4", tmp_path / "v" / "corrupt.mp4"
@@ -216,6 +220,7 @@ def test_retry_errors_redoes_only_failed_videos(tmp_path, capsys):
     assert [r["path"] for r in read_records(out)[len(records) :]] == [str(corrupt)]
 
 
+@pytest.mark.subprocess
 def test_user_errors_are_one_line_without_traceback(folder, tmp_path):
     out = tmp_path / "captions.jsonl"
     with pytest.raises(SystemExit, match=r"^error: input not found: .*nope$"):

@@ -16,6 +16,8 @@ from app import RANDOM_WEIGHTS_NOTICE
 from app.demo import MAX_FILE_SIZE, build_demo, first_impression
 from app.demo_chat import ERROR_TITLE, THINKING_TITLE, UNFINISHED_LOG
 
+pytestmark = pytest.mark.subprocess  # every test talks to the demo served in this process
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]  # fmt: skip
@@ -135,6 +137,7 @@ def page(browser, url):
     page.close()
 
 
+@pytest.mark.browser
 def test_browser_question_with_an_image_streams(page, media, tmp_path):
     notice = page.inner_text("#notice")
     assert "RANDOM weights" in notice and "never closes its <think> block" in notice
@@ -148,6 +151,7 @@ def test_browser_question_with_an_image_streams(page, media, tmp_path):
         assert image.size[0] >= 1280
 
 
+@pytest.mark.browser
 def test_browser_stop_cancels_generation(page, client):
     page.fill("#max_new_tokens input[type=number]", "4000")
     page.press("#max_new_tokens input[type=number]", "Enter")

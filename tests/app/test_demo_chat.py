@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from app.demo import RANDOM_MODEL_THINKING_NOTICE, build_demo, first_impression, launch
@@ -78,6 +79,7 @@ def test_stop_during_thinking_leaves_no_spinner(pipeline):
     assert any(d["cancels"] == [chat_id] and d["targets"] == on[stop_id]["targets"] for d in on.values())
 
 
+@pytest.mark.subprocess
 def test_launch_names_the_share_option_not_gradios(capsys):
     import gradio as gr
 

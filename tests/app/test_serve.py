@@ -15,6 +15,8 @@ import pytest
 from app import RANDOM_WEIGHTS_NOTICE
 from tests.app.serve_helpers import API_KEY, data_uri
 
+pytestmark = pytest.mark.subprocess
+
 TOKENS = 6
 THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
 LONG = "Tell me a very long story"  # greedy, thinking on: the default model loops without an end of turn

@@ -111,6 +111,7 @@ def small_server(pipeline):
     thread.join(timeout=30)
 
 
+@pytest.mark.subprocess
 def test_busy_server_answers_503(small_server):
     url, backend = small_server
     long = {"model": "default", "messages": [{"role": "user", "content": LONG}], "max_tokens": 3000,
@@ -133,6 +134,7 @@ def test_busy_server_answers_503(small_server):
     assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.subprocess
 def test_an_overflowing_seed_is_a_400_and_generation_goes_on(small_server):
     url, backend = small_server
     body = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 1}
@@ -144,6 +146,7 @@ def test_an_overflowing_seed_is_a_400_and_generation_goes_on(small_server):
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
 
 
+@pytest.mark.subprocess
 def test_a_stopped_engine_makes_health_503_and_requests_fail_at_once(small_server, monkeypatch):
     url, backend = small_server
     engine = backend.pipeline.engine

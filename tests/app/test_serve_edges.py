@@ -8,6 +8,8 @@ import logging
 import subprocess
 import sys
 
+import pytest
+
 from app.serve import ServeConfig, create_app
 from tests.app.serve_helpers import REPO
 
@@ -35,6 +37,7 @@ def test_a_client_gone_mid_upload_is_a_499_without_a_traceback(caplog):
     assert not any(r.exc_info or r.levelno >= logging.ERROR for r in caplog.records)
 
 
+@pytest.mark.subprocess
 def test_a_port_out_of_range_is_one_clear_line():
     done = subprocess.run([sys.executable, "-m", "app.serve", "--port", "99999"], capture_output=True, text=True,
                           cwd=REPO, timeout=120)  # fmt: skip
@@ -42,6 +45,7 @@ def test_a_port_out_of_range_is_one_clear_line():
     assert done.stderr.strip().splitlines()[-1].endswith("argument --port: '99999' is not a TCP port: give 0-65535")
 
 
+@pytest.mark.subprocess
 def test_an_invalid_config_is_one_clear_line(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "qwen3_5_moe", "text_config": {"num_hidden_layers": "x"}}')
     done = subprocess.run([sys.executable, "-m", "app.serve", "--model", str(tmp_path)], capture_output=True,

@@ -12,6 +12,8 @@ import pytest
 
 from tests.app.serve_helpers import API_KEY, data_uri, free_port
 
+pytestmark = pytest.mark.subprocess
+
 HI = [{"role": "user", "content": "Hi"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]

@@ -69,6 +69,7 @@ def origin():
     server.shutdown()
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("path", ["/trickle", "/slow-headers"])
 def test_the_deadline_covers_the_whole_fetch(origin, path):
     start = time.monotonic()
@@ -89,6 +90,7 @@ def test_non_public_addresses_are_refused_after_resolving(host):
     assert time.monotonic() - start < 2
 
 
+@pytest.mark.subprocess
 def test_loopback_only_with_allow_private(origin):
     with pytest.raises(FetchError, match="not public"):
         fetch(origin + "/ok", FetchPolicy(), 1 << 20)
@@ -96,6 +98,7 @@ def test_loopback_only_with_allow_private(origin):
     assert fetch(origin + "/hop", LOCAL, 1 << 20) == b"media bytes"  # redirect to localhost, checked again
 
 
+@pytest.mark.subprocess
 def test_redirects_and_hosts_are_checked_on_every_hop(origin):
     only_ip = FetchPolicy(allowed_hosts=frozenset({"127.0.0.1"}), allow_private=True, timeout=3)
     assert fetch(origin + "/ok", only_ip, 1 << 20) == b"media bytes"
@@ -105,6 +108,7 @@ def test_redirects_and_hosts_are_checked_on_every_hop(origin):
         fetch(origin + "/ok", FetchPolicy(allow_remote=False, allow_private=True), 1 << 20)
 
 
+@pytest.mark.subprocess
 def test_errors_do_not_tell_the_remote_details(origin):
     with pytest.raises(FetchError) as caught:
         fetch(origin + "/missing", LOCAL, 1 << 20)
@@ -153,6 +157,7 @@ def fetching_server(pipeline):
     thread.join(timeout=30)
 
 
+@pytest.mark.subprocess
 def test_slow_fetches_hold_neither_chat_requests_nor_the_queue(fetching_server, origin):
     url, backend = fetching_server
     picture = {"type": "image_url", "image_url": {"url": origin + "/trickle"}}
@@ -177,6 +182,8 @@ def test_slow_fetches_hold_neither_chat_requests_nor_the_queue(fetching_server, 
     asyncio.run(scenario())
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_fetching_leaves_requests_that_need_no_fetch_alone(pipeline, origin):
     media = MediaPolicy(remote=FetchPolicy(allow_private=True, timeout=6), fetch_workers=2)
     app = create_app(Backend(pipeline), ServeConfig("default", limits=Limits(media=media)))

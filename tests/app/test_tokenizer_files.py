@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from transformers import AutoProcessor, AutoTokenizer, Qwen3VLProcessor
 
 from app.tokenizer_files import MODEL_VOCAB_SIZE, TOKENIZER_SPECIAL_TOKENS, learn_merges, write_tokenizer
@@ -73,6 +74,7 @@ def test_processor_configs_are_the_reference_files(tokenizer_checkpoint):
         assert (tokenizer_checkpoint / name).read_bytes() == (REFERENCE / name).read_bytes(), name
 
 
+@pytest.mark.slow
 def test_output_is_deterministic(tokenizer_checkpoint, tmp_path):
     write_tokenizer(tmp_path)
     for name in FILES:

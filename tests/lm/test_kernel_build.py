@@ -96,6 +96,7 @@ def _combinations():
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_every_profile_and_isa_compiles(tmp_path):
     """Every profile x ISA of lm/kernels/tuning.py compiles (-fsyntax-only, all kernel sources in one
     unit, every AVX-512 / AMX branch whatever this CPU), so the branches for other CPUs do not rot;
@@ -146,6 +147,7 @@ def test_the_build_uses_the_int8_dot_products_this_cpu_has():
     assert module.VECTOR_FLOATS == (16 if "avx512f" in flags else 8)
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(lm.kernels.mode() == "0", reason="QWEN35_CPU_KERNELS=0: no kernels")
 def test_build_command_reports_the_build():
     lm.kernels.compiled()  # built (once) in this process, so the command only loads it
@@ -159,6 +161,7 @@ def test_build_command_reports_the_build():
     assert off.returncode == 0 and "nothing to build" in off.stderr
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(torch.cuda.is_available() or not torch.version.cuda, reason="needs a CUDA torch without a GPU")
 def test_the_no_cuda_runtime_warning_is_silenced(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_HOME": str(tmp_path)}
@@ -170,6 +173,7 @@ def test_the_no_cuda_runtime_warning_is_silenced(tmp_path):
     assert ours.returncode == 0 and "No CUDA runtime" not in ours.stderr, ours.stderr
 
 
+@pytest.mark.subprocess
 def test_a_failed_build_is_loud(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/bin/false"}
     command = [sys.executable, "-m", "lm.kernels.build"]  # an empty cache and a compiler that always fails
@@ -183,6 +187,7 @@ def test_a_failed_build_is_loud(tmp_path):
     assert strict.returncode == 1 and "QWEN35_CPU_KERNELS=1 but the CPU kernels did not build" in strict.stderr
 
 
+@pytest.mark.subprocess
 def test_a_cached_library_that_does_not_load_is_built_again(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/bin/false"}
     name = extension_name()

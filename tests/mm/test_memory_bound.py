@@ -10,6 +10,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
 PREFIX_CACHE_MB = 256
 GROWTH_BOUND_MB = 1536  # the prefix cache's budget, 8 slots of 32k positions, one prefill cache, slack
 HARD_CAP_MB = 6144  # the child stops itself here (before the fix it passed 20 GB)

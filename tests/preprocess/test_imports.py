@@ -3,6 +3,10 @@
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.subprocess
+
 
 def test_preprocess_does_not_import_transformers():
     code = ("import sys, preprocess; "

@@ -73,6 +73,8 @@ def _measure(kind: str, path: Path) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_a_4k_video_of_64_frames_costs_no_gigabytes(tmp_path):
     path = _one_colour_video(tmp_path / "4k.mp4", 3840, 2160, 64)
     assert path.stat().st_size < 200_000
@@ -80,6 +82,8 @@ def test_a_4k_video_of_64_frames_costs_no_gigabytes(tmp_path):
     assert measured["grid"][0] == 32 and measured["mb"] < 700, measured
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_an_11500_square_one_colour_png_costs_no_gigabytes(tmp_path):
     import struct
     import zlib

@@ -152,6 +152,7 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+@pytest.mark.subprocess
 def test_video_urls_that_fail_say_the_download_failed(tmp_path, videos, http_folder):
     (tmp_path / "cfr.mp4").write_bytes((videos / "cfr.mp4").read_bytes())
     (tmp_path / "notes.mp4").write_text("hello, not a video\n" * 20)
