@@ -1,19 +1,14 @@
 // Q4_0 x Q8_0 decode product at one row: GGUF's row-major blocks (as lm/kernels/int8_dot.h reads
 // them) against 8 rows' blocks interleaved (their 8 fp16 scales together, then for each group of 4
 // quant bytes the 8 rows side by side), the layout llama.cpp repacks Q4_0 into for AVX2. Not used by
-// the pipeline: it measures what that storage layout would gain before anyone builds it through the
-// formats table, quantizer, dequantizer, weight cache and kernels.
+// the pipeline: it measures what that storage layout would gain.
 //
 //     g++ -O3 -march=native -fopenmp -o /tmp/q4_layout bench/q4_layout.cpp
 //     OMP_NUM_THREADS=1 /tmp/q4_layout 4096 400   # 4096 x 1024 weights (2.4 MB, cache-resident)
 //     OMP_NUM_THREADS=2 /tmp/q4_layout 262144 6   # 262144 x 1024 (151 MB, from memory)
 //
-// Measured on the 2-core AMD EPYC (AVX2) of this project, one thread: row-major 13-15 G weights/s in
-// cache and 13-17 from memory, interleaved 35-38 and 31-35; two threads from memory: row-major
-// 34-38 (as the pipeline's kernel, 38-41), interleaved 50-55 G weights/s = 28-31 GB/s, near the
-// ~35 GB/s the machine read then. The results agree to float32 rounding. The interleaved kernel needs
-// no horizontal sums per row and converts 8 scales with one instruction: ~4 vector instructions per
-// row and block of 32 instead of ~10.
+// The two kernels agree to float32 rounding; the interleaved one needs no horizontal sums per row
+// and converts 8 scales with one instruction (lm/formats/blocks.py cites its result).
 #include <immintrin.h>
 #include <chrono>
 #include <cstdint>

@@ -29,7 +29,8 @@ import torch
 import mm
 from bench.limits import CacheEvictor, ReadBandwidth
 from bench.lm import median
-from lm import SamplingParams, decode, engine, kernels, stream_generate
+from lm import SamplingParams, decode, kernels, stream_generate
+from lm.serving import runner
 from lm.moe import SparseMoeBlock
 
 
@@ -69,17 +70,17 @@ def generation(lm, ids, new: int) -> tuple[float, float]:
     over the steps after the first (which builds the plan and runs through the model)."""
     timed = []
 
-    def timed_step(cache, tokens, positions):
+    def timed_step(cache, tokens, positions, lengths=None):
         if not timed and (plan := decode._step_plans.get(cache)) is not None:
             timed.append(TimedPlan(plan))
             decode._step_plans[cache] = timed[0]
-        return decode.step_tokens(cache, tokens, positions)
+        return decode.step_tokens(cache, tokens, positions, lengths)
 
-    engine.step_tokens = timed_step
+    runner.step_tokens = timed_step
     try:
         stamps = [time.perf_counter() for e in stream_generate(lm, ids, SamplingParams(max_new_tokens=new))]
     finally:
-        engine.step_tokens = decode.step_tokens
+        runner.step_tokens = decode.step_tokens
     steps = len(stamps) - 2  # events 2.. each follow one step_tokens call
     if not timed or timed[0].calls != steps:
         raise SystemExit("the generation did not decode through step_tokens; nothing to measure")

@@ -207,6 +207,7 @@ def test_a_failing_prompt_fails_alone(lm_moe):
     engine.close()
 
 
+@pytest.mark.slow
 def test_stress_64_requests_from_many_threads():
     """On the built-in default model (its real vocabulary and architecture)."""
     from app.default_model import default_model_path
