@@ -143,8 +143,19 @@ class VideoKwargs(_Strict):
     max_frames: int | None = Field(default=None, ge=2, le=INT_MAX)
 
 
+class JSONSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    """"text"; "json_object" (any JSON object); "json_schema" (`json_schema.schema`): the answer
+    is compact JSON that validates (mm/constraints.py)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_Strict):
@@ -176,6 +187,7 @@ class ChatCompletionRequest(_Strict):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
+    thinking_budget: int | None = Field(default=None, ge=0, le=INT_MAX)
     user: str | None = None
 
 

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from lm.serving import EngineClosedError
+from mm.constraints import ConstraintError
 from mm.processor import PromptTooLongError
 
 from . import serve_response as shape
@@ -195,6 +196,10 @@ def _prepare(chat: ChatCompletionRequest, backend: Backend, limits: Limits,
     if tools and (chat.tool_choice == "required" or isinstance(chat.tool_choice, NamedToolChoice)):
         job.rule = ToolCallRule(backend.pipeline.processor.tokenizer, tools, backend.pipeline.model.eos_token_ids(),
                                 in_thinking=in_thinking, max_tokens=params.max_new_tokens)  # fmt: skip
+    try:  # the constraint is compiled now (and cached), so that a bad one is a 400 naming its field
+        backend.pipeline.constraint_rule(params, in_thinking, job.rule)
+    except ConstraintError as error:
+        raise bad_request(str(error), "thinking_budget" if "thinking_budget" in str(error) else "response_format") from None
     return job, in_thinking
 
 

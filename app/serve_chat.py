@@ -11,7 +11,7 @@ from typing import Any
 
 from lm import SamplingParams
 
-from .openai_protocol import ChatCompletionRequest, NamedToolChoice, bad_request
+from .openai_protocol import ChatCompletionRequest, NamedToolChoice, ResponseFormat, bad_request
 from .serve_media import MediaPolicy
 
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "chat_template"})
@@ -90,12 +90,27 @@ def sampling_params(request: ChatCompletionRequest, defaults: SamplingParams, ma
                   stop=[request.stop] if isinstance(request.stop, str) else request.stop)  # fmt: skip
     if any(not s for s in values["stop"] or []):
         raise bad_request("stop strings must not be empty", "stop")
+    values["json_schema"] = response_schema(request.response_format)
+    values["thinking_budget"] = request.thinking_budget
     chosen = {key: value for key, value in values.items() if value is not None}
     merged = {f: getattr(defaults, f) for f in defaults.__dataclass_fields__} | chosen
     try:
         return SamplingParams(**merged)
     except ValueError as error:
         raise bad_request(str(error)) from None
+
+
+def response_schema(response_format: ResponseFormat | None) -> dict[str, Any] | None:
+    """The JSON schema the answer must follow: None for text, any object for "json_object"."""
+    if response_format is None or response_format.type == "text":
+        if response_format is not None and response_format.json_schema is not None:
+            raise bad_request("response_format.json_schema is only for type json_schema", "response_format")
+        return None
+    if response_format.type == "json_object":
+        return {"type": "object"}
+    if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+        raise bad_request("response_format of type json_schema needs json_schema.schema", "response_format")
+    return response_format.json_schema.schema_
 
 
 def template_inputs(request: ChatCompletionRequest) -> tuple[bool | None, dict[str, Any], list[dict[str, Any]]]:

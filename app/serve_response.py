@@ -89,9 +89,10 @@ def finish_reason(output: Output, calls: int) -> str:
     return "tool_calls" if calls and output.finish_reason == "stop" else output.finish_reason
 
 
-def usage(output: Output) -> dict[str, int]:
+def usage(output: Output) -> dict[str, Any]:
     return {"prompt_tokens": output.prompt_tokens, "completion_tokens": output.completion_tokens,
-            "total_tokens": output.prompt_tokens + output.completion_tokens}  # fmt: skip
+            "total_tokens": output.prompt_tokens + output.completion_tokens,
+            "completion_tokens_details": {"reasoning_tokens": output.reasoning_tokens}}  # fmt: skip
 
 
 def completion(rid: str, model: str, created: int, deltas: list[Delta], output: Output, calls: int) -> dict[str, Any]:

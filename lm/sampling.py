@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,13 @@ class SamplingParams:
     from tokens already generated, `frequency_penalty` (the same) that constant times how often each
     was generated. `stop` holds stop strings (checked on detokenised text by the
     pipeline); `stop_token_ids` end a sequence when sampled, like the model's EOS tokens.
+
+    Constraints, which mm.Pipeline turns into a rule on each next token (mm/constraints.py; the lm
+    engine alone refuses them): at most one of `json_schema` (a JSON schema, as a dict or its JSON
+    text: the answer is one JSON value that validates, compact), `regex` and `grammar` (EBNF, the
+    GBNF dialect of xgrammar); with thinking on they apply to the answer after `</think>`.
+    `thinking_budget`: at most this many thinking tokens, then the thinking is closed for the model
+    (a short closing sentence and `</think>`) and the answer follows.
     """
 
     max_new_tokens: int = 256
@@ -35,8 +43,14 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     stop_token_ids: tuple[int, ...] = field(default=())
     frequency_penalty: float = 0.0
+    json_schema: str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    thinking_budget: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.json_schema, dict):  # held as JSON text: the params stay hashable
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
@@ -52,6 +66,10 @@ class SamplingParams:
              f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed}"),
             (self.max_new_tokens <= INT_MAX, f"max_new_tokens must be <= {INT_MAX}"),
             (self.top_k <= INT_MAX, f"top_k must be <= {INT_MAX}"),
+            (sum(c is not None for c in (self.json_schema, self.regex, self.grammar)) <= 1,
+             "give at most one of json_schema, regex and grammar"),
+            (self.thinking_budget is None or 0 <= self.thinking_budget <= INT_MAX,
+             f"thinking_budget must be in [0, {INT_MAX}]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -60,6 +78,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the params ask for a constraint that a rule enforces (see the class docstring)."""
+        return any(c is not None for c in (self.json_schema, self.regex, self.grammar, self.thinking_budget))
 
     @property
     def penalised(self) -> bool:
@@ -143,14 +166,18 @@ def _penalise(scores: torch.Tensor, p: SamplingParams, prompt: list[int], output
 
 @dataclass(frozen=True)
 class TokenRule:
-    """A constraint on one sampled token: only the ids in `allow` (when given), never those in `ban`.
-    The serving engine asks a request's rule before each of its tokens (e.g. the server's tool_choice)."""
+    """A constraint on one sampled token: only the ids in `allow` (when given) and those `mask` (a bool
+    [V] tensor, when given) keeps, never those in `ban`. The serving engine asks a request's rule
+    before each of its tokens (e.g. the server's tool_choice, a JSON schema)."""
 
     allow: tuple[int, ...] | None = None
     ban: tuple[int, ...] = ()
+    mask: torch.Tensor | None = None
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] with every excluded token at -inf."""
+        if self.mask is not None:
+            logits = logits.masked_fill(~self.mask[: logits.shape[-1]], float("-inf"))
         if self.allow is not None:
             keep = torch.tensor(self.allow, device=logits.device)
             out = torch.full_like(logits, float("-inf"))

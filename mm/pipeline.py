@@ -7,6 +7,7 @@ prefix cache (a chat's later turns reuse the earlier ones) and a cache of vision
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import threading
@@ -24,6 +25,7 @@ from lm.serving.config import MAX_LEN_CAP
 
 from .chat import split_thinking
 from .config import ModelConfig
+from .constraints import BUDGET_CLOSING, THINK_END, BudgetRule, ConstraintError, Grammars, reasoning_tokens
 from .default_model import RANDOM_WEIGHTS_NOTICE, default_model_path
 from .engine_requests import VisionCache, engine_prompt
 from .loading import load_model
@@ -55,6 +57,7 @@ class Output:
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
     timings: dict[str, float] = field(default_factory=dict)  # seconds: prefill, decode, total
     cached_tokens: int = 0  # prompt tokens taken from the engine's prefix cache
+    reasoning_tokens: int = 0  # completion tokens of the thinking, up to and including `</think>`
 
 
 class Pipeline:
@@ -121,6 +124,32 @@ class Pipeline:
                                      f"max_new_tokens={params.max_new_tokens} are kept for the answer") from e
         device = self.model.lm.lm_head.weight.device
         return inputs.to(device, self.model.lm.compute_dtype)
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Structured outputs' compiler for this tokenizer (mm/constraints.py)."""
+        return Grammars(self.processor.tokenizer, self.model.config.text.vocab_size, self.model.eos_token_ids())
+
+    @functools.cached_property
+    def think_end_id(self) -> int | None:
+        """The token id of `</think>`, None for a tokenizer without one."""
+        ids = self.processor.tokenizer(THINK_END, add_special_tokens=False)["input_ids"]
+        return ids[0] if len(ids) == 1 else None
+
+    def constraint_rule(self, params: SamplingParams, in_thinking: bool, rule=None):
+        """The rule of one answer: `rule` (e.g. the server's tool_choice) with params' structured
+        output and thinking budget (mm/constraints.py); ConstraintError for a bad or clashing one."""
+        if params.json_schema is not None or params.regex is not None or params.grammar is not None:
+            if rule is not None:
+                raise ConstraintError("a structured output (json_schema, regex, grammar) and tool_choice cannot "
+                                      "constrain one answer together")  # fmt: skip
+            rule = self.grammars.rule(params, in_thinking=in_thinking, think_end=self.think_end_id)
+        if params.thinking_budget is not None and in_thinking:
+            if self.think_end_id is None:
+                raise ConstraintError(f"thinking_budget: this tokenizer has no single {THINK_END} token")
+            closing = self.processor.tokenizer(BUDGET_CLOSING, add_special_tokens=False)["input_ids"]
+            rule = BudgetRule(params.thinking_budget, closing, self.think_end_id, rule)
+        return rule
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
@@ -212,6 +241,10 @@ class Answer:
         with torch.no_grad():
             prompt = engine_prompt(pipeline.model, inputs, pipeline.vision_cache, pipeline.assistant_start)
         stop = self._hit_stop_string if params.stop else None
+        self.in_thinking = _thinking_open(inputs.prompts[0])
+        rule = pipeline.constraint_rule(params, self.in_thinking, rule)
+        if params.thinking_budget is not None and not self.in_thinking:  # no thinking opened: nothing to bound
+            params = dataclasses.replace(params, thinking_budget=None)
         self.request = pipeline.engine.submit(prompt, params, stop_when=stop, rule=rule)
 
     @property
@@ -249,10 +282,11 @@ class Answer:
         self.request.result()
         times = self.request.times
         first, end = times.get("first_token", times["finished"]), times["finished"]
-        thinking, answer = split_thinking(self.text(), in_thinking=_thinking_open(self.inputs.prompts[0]))
+        thinking, answer = split_thinking(self.text(), in_thinking=self.in_thinking)
         timings = dict(prefill=first - self.start, decode=end - first, total=end - self.start)
+        reasoning = reasoning_tokens(self.tokens, self.pipeline.think_end_id, self.in_thinking)
         return Output(answer, thinking, list(self.tokens), int(self.inputs.attention_mask[0].sum()), len(self.tokens),
-                      self.request.finish_reason or "stop", timings, self.request.cached_tokens)  # fmt: skip
+                      self.request.finish_reason or "stop", timings, self.request.cached_tokens, reasoning)  # fmt: skip
 
 
 def _text_bytes(conversation: Conversation) -> int:

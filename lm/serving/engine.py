@@ -48,6 +48,9 @@ class Engine:
         prompt = prompt if isinstance(prompt, Prompt) else Prompt(list(prompt))
         params = params or SamplingParams()
         t = len(prompt.token_ids)
+        if params.constrained and rule is None:
+            raise ValueError("json_schema, regex, grammar and thinking_budget are enforced by a rule: generate "
+                             "through mm.Pipeline, which makes it (mm/constraints.py)")  # fmt: skip
         if t == 0:
             raise ValueError("an empty prompt: give at least one token")
         if prompt.key is not None and len(prompt.key) != t:

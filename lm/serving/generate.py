@@ -63,6 +63,9 @@ def _generate(lm, input_ids, params, attention_mask, inputs_embeds, positions, e
     params = list(params) if isinstance(params, (list, tuple)) else [params] * b
     if len(params) != b:
         raise ValueError(f"{len(params)} SamplingParams for a batch of {b}")
+    if any(p.constrained for p in params):
+        raise ValueError("json_schema, regex, grammar and thinking_budget are enforced by a rule: generate "
+                         "through mm.Pipeline (mm/constraints.py)")  # fmt: skip
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     prompts = [ids[m.bool()].tolist() for ids, m in zip(input_ids, mask)]
     cache = lm.make_cache(b, max_len or t + max(p.max_new_tokens for p in params))

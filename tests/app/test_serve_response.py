@@ -52,4 +52,5 @@ def test_hidden_reasoning_and_the_completion_body():
     body = completion("chatcmpl-1", "default", 0, deltas, _output("stop"), calls)
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "answer", "reasoning_content": None}
     assert body["choices"][0]["finish_reason"] == "stop"
-    assert body["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
+    assert body["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+                             "completion_tokens_details": {"reasoning_tokens": 0}}

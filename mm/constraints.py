@@ -1,0 +1,163 @@
+"""Constraints on an answer's tokens, as rules for the serving engine (lm/serving: before each token
+a request's rule says which tokens may come next): structured outputs and a thinking budget.
+
+- Structured outputs (`SamplingParams.json_schema`, `regex`, `grammar`) go through xgrammar, the
+  grammar library vLLM and SGLang use: its compiler turns the schema into a grammar over this
+  tokenizer's vocabulary once (cached by source), and a matcher per request gives the bitmask of the
+  tokens that keep the output inside the grammar. JSON is compact (no whitespace between tokens),
+  so a model cannot drift into endless whitespace, and no token with a raw control character
+  (U+0000-U+001F) may appear: JSON allows them only escaped, which xgrammar's string rule does not
+  enforce, so they are masked out (compact JSON has no other place for them). Once the grammar is complete, only the end of
+  the turn may follow. With thinking on, the thinking is free and the grammar applies from the
+  first token after `</think>`; nothing constrained lands in the reasoning.
+- A thinking budget (`SamplingParams.thinking_budget`): after that many thinking tokens, the
+  thinking is closed for the model with the sentence Qwen's documentation recommends, then
+  `</think>`; the answer (and its own rule, if any) follows.
+
+A grammar that admits no next token fails its request with `ConstraintError`; the engine's fault
+isolation keeps the other requests going. Random weights (the built-in model) never close a string
+or the thinking by themselves: a schema's strings need `maxLength` and the thinking a budget to end
+there, a property of grammar-constrained decoding, not of this code.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from lm.sampling import SamplingParams, TokenRule
+
+THINK_END = "</think>"
+BUDGET_CLOSING = ("\n\nConsidering the limited time by the user, I have to give the solution based on the thinking "
+                  "directly now.\n" + THINK_END)  # fmt: skip
+
+Rule = Callable[[list[int]], TokenRule | None]
+
+
+class ConstraintError(ValueError):
+    """A schema, regex or grammar that cannot be compiled, or one that admits no next token."""
+
+
+class Grammars:
+    """xgrammar's compiler for one tokenizer (made on first use; compiled grammars cached by source)."""
+
+    def __init__(self, tokenizer, vocab_size: int, end_ids: Sequence[int]):
+        self.tokenizer, self.vocab_size, self.end_ids = tokenizer, vocab_size, tuple(end_ids)
+        self._compiler = None
+        self.control = torch.zeros(vocab_size, dtype=torch.bool)  # tokens with a raw control character
+        self._lock = threading.Lock()
+
+    def compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                xgr = _xgrammar()
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=list(self.end_ids))  # fmt: skip
+                control = [i for i, text in enumerate(info.decoded_vocab) if any(b < 0x20 for b in text)]
+                self.control[torch.tensor(control, dtype=torch.long)] = True
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+    def compile(self, params: SamplingParams):
+        """The compiled grammar of params' json_schema, regex or grammar (ConstraintError naming the field)."""
+        field, source = next((f, getattr(params, f)) for f in ("json_schema", "regex", "grammar")
+                             if getattr(params, f) is not None)  # fmt: skip
+        compiler = self.compiler()
+        try:
+            if field == "json_schema":
+                json.loads(source)  # a clear error for text that is no JSON at all
+                return compiler.compile_json_schema(source, any_whitespace=False, separators=(",", ":"),
+                                                    strict_mode=True)  # fmt: skip
+            if field == "regex":
+                return compiler.compile_regex(source)
+            return compiler.compile_grammar(source)
+        except Exception as error:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError alike
+            raise ConstraintError(f"{field}: {_reason(error)}") from None
+
+    def rule(self, params: SamplingParams, *, in_thinking: bool, think_end: int | None) -> "GrammarRule":
+        banned = self.control if params.json_schema is not None else None
+        return GrammarRule(self.compile(params), self.vocab_size, self.end_ids, in_thinking=in_thinking,
+                           think_end=think_end, banned=banned)  # fmt: skip
+
+
+class GrammarRule:
+    """A request's grammar state: each call takes the tokens generated so far and returns the
+    rule of the next one (None while thinking: free)."""
+
+    def __init__(self, compiled, vocab_size: int, end_ids: Sequence[int], *, in_thinking: bool,
+                 think_end: int | None, banned: torch.Tensor | None = None):  # fmt: skip
+        xgr = _xgrammar()
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self.vocab_size, self.end_ids = vocab_size, tuple(end_ids)
+        self.thinking, self.think_end = in_thinking, think_end
+        self.keep = None if banned is None else ~banned  # tokens the grammar may allow
+        self.seen = 0
+        shifts = torch.arange(32, dtype=torch.int32)
+        self._unpack = lambda words: ((words[:, None] >> shifts) & 1).bool().reshape(-1)[:vocab_size]
+
+    def __call__(self, tokens: list[int]) -> TokenRule | None:
+        for token in tokens[self.seen :]:
+            self.seen += 1
+            if self.thinking:
+                self.thinking = token != self.think_end
+            elif not self.matcher.is_terminated() and not self.matcher.accept_token(token):
+                raise ConstraintError(f"token {token} does not fit the grammar")  # only a rule-less pick could
+        if self.thinking:
+            return None
+        if self.matcher.is_terminated():
+            return TokenRule(allow=self.end_ids)
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        mask = self._unpack(self.bitmask[0])
+        if self.keep is not None:
+            mask &= self.keep
+        if not bool(mask.any()):
+            raise ConstraintError("the grammar admits no next token")
+        return TokenRule(mask=mask)
+
+
+class BudgetRule:
+    """At most `budget` thinking tokens: from then on the closing (`closing` token ids, ending in
+    `</think>`) is forced token by token; `inner` (the answer's rule, or None) decides otherwise."""
+
+    def __init__(self, budget: int, closing: Sequence[int], think_end: int, inner: Rule | None):
+        self.budget, self.closing, self.think_end, self.inner = budget, tuple(closing), think_end, inner
+        self.closed = False
+        self.seen = 0
+
+    def __call__(self, tokens: list[int]) -> TokenRule | None:
+        if not self.closed and self.think_end in tokens[self.seen :]:
+            self.closed = True
+        self.seen = len(tokens)
+        if not self.closed and len(tokens) >= self.budget:
+            forced = len(tokens) - self.budget
+            if forced < len(self.closing):
+                return TokenRule(allow=(self.closing[forced],))
+        return self.inner(tokens) if self.inner is not None else None
+
+
+def reasoning_tokens(tokens: Sequence[int], think_end: int | None, in_thinking: bool) -> int:
+    """How many of an answer's tokens are thinking: up to and including `</think>` (all of them when
+    it never came), 0 when the prompt did not open the thinking."""
+    if not in_thinking or think_end is None:
+        return 0
+    return next((i + 1 for i, t in enumerate(tokens) if t == think_end), len(tokens))
+
+
+def _reason(error: Exception) -> str:
+    """The first line of a compiler error, without xgrammar's "[time] source.cc:line: " prefix."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", lines[0])
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as error:
+        raise ConstraintError("structured outputs need the xgrammar package: pip install -e '.[dev]' "
+                              f"(or pip install xgrammar) ({error})") from None  # fmt: skip
+    return xgrammar

@@ -1,0 +1,102 @@
+"""The server's structured outputs and thinking budget (`response_format`, `thinking_budget`) on the
+built-in model, through the real app in this process (uvicorn on a loopback port)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import jsonschema
+import pytest
+import uvicorn
+
+from app.serve import ServeConfig, create_app
+from app.serve_backend import Backend
+from mm.constraints import BUDGET_CLOSING
+from tests.app.serve_helpers import free_port
+from tests.mm.test_constraints import SCHEMA
+
+pytestmark = pytest.mark.subprocess  # a server thread on a port
+
+
+@pytest.fixture(scope="module")
+def url(pipeline):
+    server = uvicorn.Server(uvicorn.Config(create_app(Backend(pipeline), ServeConfig("default")), host="127.0.0.1",
+                                           port=(port := free_port()), log_level="warning"))  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+def _body(**fields) -> dict:
+    return {"model": "default", "messages": [{"role": "user", "content": "Describe a person."}], "max_tokens": 600,
+            "temperature": 1.0, "seed": 5, **fields}  # fmt: skip
+
+
+def _json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+
+
+def _streamed(url: str, body: dict) -> tuple[str, str, dict]:
+    content, reasoning, usage = "", "", {}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True,
+                      "stream_options": {"include_usage": True}}, timeout=120) as reply:  # fmt: skip
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                content += choice["delta"].get("content") or ""
+                reasoning += choice["delta"].get("reasoning_content") or ""
+    return content, reasoning, usage
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_json_schema_answers_validate_streamed_and_not(url, thinking):
+    body = _body(response_format=_json_schema(SCHEMA), chat_template_kwargs={"enable_thinking": thinking},
+                 **({"thinking_budget": 4} if thinking else {}))  # fmt: skip
+    reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    message = reply.json()["choices"][0]["message"]
+    jsonschema.validate(json.loads(message["content"]), SCHEMA)
+    assert bool(message.get("reasoning_content")) == thinking and "{" not in (message.get("reasoning_content") or "")
+    content, reasoning, usage = _streamed(url, body)
+    assert content == message["content"] and reasoning == (message.get("reasoning_content") or "")
+    assert (usage["completion_tokens_details"]["reasoning_tokens"] > 0) == thinking
+
+
+def test_json_object_and_the_reasoning_token_count(url, pipeline):
+    reply = httpx.post(f"{url}/v1/chat/completions", timeout=120, json=_body(
+        response_format={"type": "json_object"}, chat_template_kwargs={"enable_thinking": True}, thinking_budget=3,
+        max_tokens=400))  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    # any object: its keys are unbounded strings, which random weights never close, so the answer
+    # runs to max_tokens; it is an object's opening all the same
+    assert reply.json()["choices"][0]["message"]["content"].startswith('{"')
+    closing = len(pipeline.processor.tokenizer(BUDGET_CLOSING, add_special_tokens=False)["input_ids"])
+    assert 0 < reply.json()["usage"]["completion_tokens_details"]["reasoning_tokens"] <= 3 + closing
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    ({"response_format": _json_schema({"type": "strin"})}, "response_format", 'Unsupported type "strin"'),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format", "response_format.type"),
+    ({"thinking_budget": -1}, "thinking_budget", "thinking_budget"),
+    ({"response_format": _json_schema({"type": "object"}), "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]},
+     "response_format", "tool_choice cannot"),
+])  # fmt: skip
+def test_bad_constraints_are_400s_that_name_the_field(url, fields, param, message):
+    reply = httpx.post(f"{url}/v1/chat/completions", json=_body(**fields), timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and message in error["message"]
