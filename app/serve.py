@@ -159,7 +159,7 @@ async def _chat(request: Request, backend: Backend, config: ServeConfig, record:
         stream = _sse(chat, config.model_name, record, generation, events, first, answer, watcher)
         return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
-        return JSONResponse(await _complete(config.model_name, record, events, first, answer))
+        return JSONResponse(await _complete(config.model_name, record, events, first, answer, backend.token_text))
     finally:
         watcher.cancel()
         generation.cancel()
@@ -184,6 +184,10 @@ def _prepare(chat: ChatCompletionRequest, backend: Backend, limits: Limits,
              media: dict[str, bytes]) -> tuple[ChatJob, bool]:  # fmt: skip
     """The job of a request (run in a thread) and whether its prompt opens thinking."""
     params = sampling_params(chat, backend.default_params(), backend.max_context, limits)
+    vocab = backend.pipeline.model.config.text.vocab_size
+    if any(token >= vocab for token, _ in params.logit_bias):
+        unknown = next(token for token, _ in params.logit_bias if token >= vocab)
+        raise bad_request(f"logit_bias names token {unknown}, beyond the vocabulary of {vocab}", "logit_bias")
     thinking, kwargs, tools = template_inputs(chat)
     conversation = build_conversation(chat, limits, tool_note(chat), media)
     job = ChatJob(conversation, params, thinking, kwargs, tools, include_reasoning=chat.include_reasoning is not False,
@@ -204,7 +208,7 @@ def _prepare(chat: ChatCompletionRequest, backend: Backend, limits: Limits,
 
 
 async def _complete(model: str, record: _Record, events: AsyncIterator[Any], first: Any,
-                    answer: shape.AnswerStream) -> dict[str, Any]:  # fmt: skip
+                    answer: shape.AnswerStream, decode) -> dict[str, Any]:  # fmt: skip
     """The non-streamed response: all pieces, then the output."""
     deltas, item = [], first
     while isinstance(item, str):
@@ -217,7 +221,7 @@ async def _complete(model: str, record: _Record, events: AsyncIterator[Any], fir
     deltas += answer.finish()
     _finished(record, item, answer.calls)
     log.info(record.line())
-    return shape.completion(record.rid, model, shape.now(), deltas, item, answer.calls)
+    return shape.completion(record.rid, model, shape.now(), deltas, item, answer.calls, decode)
 
 
 async def _sse(chat: ChatCompletionRequest, model: str, record: _Record, generation: Generation,
@@ -227,8 +231,17 @@ async def _sse(chat: ChatCompletionRequest, model: str, record: _Record, generat
     created, rid = shape.now(), record.rid
     with_usage = bool(chat.stream_options and chat.stream_options.include_usage)
 
+    sent = 0  # tokens whose logprobs went out
+
     def send(delta: dict[str, Any], finish: str | None = None) -> str:
-        return _event(shape.chunk(rid, model, created, delta, finish, with_usage=with_usage))
+        nonlocal sent
+        logprobs = None
+        if chat.logprobs and generation.answer is not None and (delta or finish):
+            request = generation.answer.request
+            entries = [(t, lp, top) for t, (lp, top) in zip(request.tokens[sent:], request.logprobs[sent:])]
+            sent += len(entries)
+            logprobs = shape.logprobs_content(entries, generation.backend.token_text)
+        return _event(shape.chunk(rid, model, created, delta, finish, with_usage=with_usage, logprobs=logprobs))
 
     item, output = first, None
     try:

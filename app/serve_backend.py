@@ -44,6 +44,10 @@ class Backend:
     def max_context(self) -> int:
         return self.pipeline.max_context
 
+    def token_text(self, token: int) -> str:
+        """The text of one token id (special tokens too), as logprobs name it."""
+        return self.pipeline.processor.tokenizer.decode([token])
+
     def default_params(self):
         """The checkpoint's sampling defaults (generation_config.json)."""
         return self.pipeline.default_params()

@@ -70,10 +70,8 @@ def sampling_params(request: ChatCompletionRequest, defaults: SamplingParams, ma
     """The request's sampling parameters over the checkpoint's defaults (generation_config.json)."""
     if request.n not in (None, 1):
         raise bad_request("n > 1 is not supported: ask for one choice per request", "n")
-    if request.logprobs or request.top_logprobs:
-        raise bad_request("logprobs are not supported", "logprobs")
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     max_tokens = request.max_completion_tokens or request.max_tokens
@@ -92,12 +90,24 @@ def sampling_params(request: ChatCompletionRequest, defaults: SamplingParams, ma
         raise bad_request("stop strings must not be empty", "stop")
     values["json_schema"] = response_schema(request.response_format)
     values["thinking_budget"] = request.thinking_budget
+    values["logprobs"] = (request.top_logprobs or 0) if request.logprobs else None
+    values["logit_bias"] = logit_bias(request.logit_bias)
     chosen = {key: value for key, value in values.items() if value is not None}
     merged = {f: getattr(defaults, f) for f in defaults.__dataclass_fields__} | chosen
     try:
         return SamplingParams(**merged)
     except ValueError as error:
         raise bad_request(str(error)) from None
+
+
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """{token id: bias} from the request's {"id": bias} (ids checked against the vocabulary later)."""
+    if not bias:
+        return None
+    if not all(key.isdigit() for key in bias):
+        raise bad_request(f"logit_bias keys must be token ids, got {next(k for k in bias if not k.isdigit())!r}",
+                          "logit_bias")  # fmt: skip
+    return {int(key): value for key, value in bias.items()}
 
 
 def response_schema(response_format: ResponseFormat | None) -> dict[str, Any] | None:

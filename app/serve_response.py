@@ -8,6 +8,7 @@ deltas joined, so both ways give the same message for the same generated text.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mm import Output
@@ -95,21 +96,34 @@ def usage(output: Output) -> dict[str, Any]:
             "completion_tokens_details": {"reasoning_tokens": output.reasoning_tokens}}  # fmt: skip
 
 
-def completion(rid: str, model: str, created: int, deltas: list[Delta], output: Output, calls: int) -> dict[str, Any]:
-    """The non-streamed response body."""
-    choice = {"index": 0, "message": message(deltas), "finish_reason": finish_reason(output, calls), "logprobs": None}
+def logprobs_content(entries, decode: Callable[[int], str]) -> dict[str, Any]:
+    """OpenAI's `logprobs` of a choice (or a chunk) from (id, log-probability, alternatives) entries:
+    every completion token's, the thinking's too; `decode` gives a token id's text."""
+    def item(token: int, logprob: float) -> dict[str, Any]:
+        text = decode(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**item(token, lp), "top_logprobs": [item(t, v) for t, v in top]} for token, lp, top in entries]}
+
+
+def completion(rid: str, model: str, created: int, deltas: list[Delta], output: Output, calls: int,
+               decode: Callable[[int], str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The non-streamed response body (`decode`: a token id's text, for logprobs)."""
+    logprobs = None if output.logprobs is None or decode is None else logprobs_content(output.logprobs, decode)
+    choice = {"index": 0, "message": message(deltas), "finish_reason": finish_reason(output, calls), "logprobs": logprobs}
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
             "usage": usage(output)}  # fmt: skip
 
 
 def chunk(rid: str, model: str, created: int, delta: Delta | None, finish: str | None = None,
-          usage_: dict[str, int] | None = None, with_usage: bool = False) -> dict[str, Any]:  # fmt: skip
+          usage_: dict[str, int] | None = None, with_usage: bool = False,
+          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """One streamed chunk: a delta (or the finish reason), or, with `delta=None`, the final usage chunk."""
     body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     if delta is None:
         body["choices"] = []
     else:
-        body["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+        body["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
     if with_usage:
         body["usage"] = usage_
     return body

@@ -12,6 +12,7 @@ from . import kernels
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
 INT_MAX = (1 << 31) - 1  # the largest token count or top_k any request may name
+MAX_LOGPROBS = 20  # the most alternatives a sampled token's logprobs list (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,11 @@ class SamplingParams:
     GBNF dialect of xgrammar); with thinking on they apply to the answer after `</think>`.
     `thinking_budget`: at most this many thinking tokens, then the thinking is closed for the model
     (a short closing sentence and `</think>`) and the answer follows.
+
+    `logit_bias` ({token id: bias} or its pairs) is added to the logits before anything else.
+    `logprobs` (0-20, None: off) records, for each sampled token, its log-probability and that many
+    most likely alternatives: the log-softmax of the logits after the bias, the penalties and any
+    constraint, before temperature and top-k / top-p / min-p (`Sampler.logprobs`).
     """
 
     max_new_tokens: int = 256
@@ -47,8 +53,12 @@ class SamplingParams:
     regex: str | None = None
     grammar: str | None = None
     thinking_budget: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         if isinstance(self.json_schema, dict):  # held as JSON text: the params stay hashable
             object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
         if isinstance(self.stop, str):
@@ -70,6 +80,9 @@ class SamplingParams:
              "give at most one of json_schema, regex and grammar"),
             (self.thinking_budget is None or 0 <= self.thinking_budget <= INT_MAX,
              f"thinking_budget must be in [0, {INT_MAX}]"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
+             "logit_bias needs token ids >= 0 and biases in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -86,8 +99,9 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        """Whether a penalty changes the logits before the pick."""
-        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+        """Whether a penalty or a bias changes the logits before the pick."""
+        return (self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+                or bool(self.logit_bias))  # fmt: skip
 
 
 class Sampler:
@@ -97,7 +111,8 @@ class Sampler:
         self.params = params
         self.prompts = prompts
         self.generators = [_generator(p.seed, device) for p in params]
-        self.plain_greedy = all(p.greedy and not p.penalised for p in params)  # every pick an argmax
+        self.plain_greedy = all(p.greedy and not p.penalised and p.logprobs is None for p in params)  # argmaxes
+        self.logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = {}  # row -> its last pick's (see below)
         # then float32 CPU logits take one kernel call for all rows (lm/kernels/argmax.cpp): per row,
         # indexing and argmax are tensor operations from Python, and each line of Python right after
         # a decode step runs cache-cold (~10-80 us; this call ~45 us for a 248k vocabulary)
@@ -125,6 +140,8 @@ class Sampler:
                 candidates, probs = _candidates(scores / p.temperature, p)
                 choice = torch.multinomial(probs, 1, generator=self.generators[row])
                 picks.append(int(candidates[choice]))
+            if p.logprobs is not None:
+                self.logprobs[row] = _logprobs(scores, picks[-1], p.logprobs)
         return picks
 
 
@@ -148,7 +165,20 @@ def _generator(seed: int | None, device) -> torch.Generator | None:
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def _logprobs(scores: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """(log-probability of `token`, the `top` most likely (id, log-probability)) under scores' softmax."""
+    logp = torch.log_softmax(scores.float(), dim=-1)
+    values, ids = torch.topk(logp, top) if top else (logp[:0], logp[:0].long())
+    return float(logp[token]), list(zip(ids.tolist(), values.tolist()))
+
+
 def _penalise(scores: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], device=scores.device)
+        if int(ids.max()) >= scores.shape[-1]:
+            raise ValueError(f"logit_bias names token {int(ids.max())}, beyond the vocabulary of {scores.shape[-1]}")
+        scores = scores.index_add(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=scores.dtype,
+                                                       device=scores.device))  # fmt: skip
     if p.repetition_penalty != 1.0 and (prompt or output):
         seen = torch.tensor(sorted(set(prompt) | set(output)), device=scores.device)
         s = scores[seen]

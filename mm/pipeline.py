@@ -58,6 +58,8 @@ class Output:
     timings: dict[str, float] = field(default_factory=dict)  # seconds: prefill, decode, total
     cached_tokens: int = 0  # prompt tokens taken from the engine's prefix cache
     reasoning_tokens: int = 0  # completion tokens of the thinking, up to and including `</think>`
+    # with SamplingParams.logprobs: per token, (id, log-probability, [(id, log-probability)] of the most likely)
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 class Pipeline:
@@ -285,8 +287,12 @@ class Answer:
         thinking, answer = split_thinking(self.text(), in_thinking=self.in_thinking)
         timings = dict(prefill=first - self.start, decode=end - first, total=end - self.start)
         reasoning = reasoning_tokens(self.tokens, self.pipeline.think_end_id, self.in_thinking)
+        logprobs = None
+        if self.params.logprobs is not None:
+            logprobs = [(token, lp, top) for token, (lp, top) in zip(self.tokens, self.request.logprobs)]
         return Output(answer, thinking, list(self.tokens), int(self.inputs.attention_mask[0].sum()), len(self.tokens),
-                      self.request.finish_reason or "stop", timings, self.request.cached_tokens, reasoning)  # fmt: skip
+                      self.request.finish_reason or "stop", timings, self.request.cached_tokens, reasoning,
+                      logprobs)  # fmt: skip
 
 
 def _text_bytes(conversation: Conversation) -> int:

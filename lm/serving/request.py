@@ -49,6 +49,8 @@ class Request:
         self.rule = rule
         self.tokens: list[int] = []  # written by the engine thread
         self.token_times: list[float] = []  # perf_counter() when each token was sampled
+        # with params.logprobs: per token, (its log-probability, [(id, log-probability)] of the most likely)
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         self.finish_reason: str | None = None  # "stop", "length" or "cancelled"
         self.error: BaseException | None = None
         self.cached_tokens = 0  # prompt tokens taken from the prefix cache

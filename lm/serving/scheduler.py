@@ -309,6 +309,8 @@ class Scheduler:
             if request.rule is not None and (rule := request.rule(request.tokens)) is not None:
                 logits = rule.apply(logits)
             token = row.sampler(logits[None], [0], [request.tokens])[0]
+        if request.params.logprobs is not None:
+            request.logprobs.append(row.sampler.logprobs[0])  # before the token: a reader sees both
         request._token(token)
         reason = runner.finish_reason(request.tokens, request.params, self.eos, request.stop_when)
         if reason is not None:

@@ -100,3 +100,33 @@ def test_bad_constraints_are_400s_that_name_the_field(url, fields, param, messag
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and message in error["message"]
+
+
+def test_logprobs_streamed_and_not_and_logit_bias(url, pipeline):
+    body = _body(max_tokens=6, logprobs=True, top_logprobs=3, logit_bias={"13": 100},
+                 chat_template_kwargs={"enable_thinking": False})  # fmt: skip
+    reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    content = reply.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == reply.json()["usage"]["completion_tokens"]
+    comma = pipeline.processor.tokenizer.decode([13])
+    assert all(entry["token"] in (comma, "") or entry["logprob"] < -1 for entry in content)  # a +100 bias: 13 or EOS
+    assert all(len(entry["top_logprobs"]) == 3 and entry["top_logprobs"][0]["token"] == comma for entry in content[:-1])
+    assert all(entry["logprob"] <= 0 and entry["bytes"] == list(entry["token"].encode()) for entry in content)
+    streamed = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    streamed += (choice.get("logprobs") or {}).get("content") or []
+    assert streamed == content  # seeded: the same tokens, each once
+
+
+@pytest.mark.parametrize("fields, param", [({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+                                           ({"top_logprobs": 2}, "top_logprobs"),
+                                           ({"logit_bias": {"999999999": 1}}, "logit_bias"),
+                                           ({"logit_bias": {"abc": 1}}, "logit_bias"),
+                                           ({"logit_bias": {"5": 101}}, None)])
+def test_bad_logprobs_and_logit_bias_are_400s(url, fields, param):
+    reply = httpx.post(f"{url}/v1/chat/completions", json=_body(**fields), timeout=60)
+    assert reply.status_code == 400 and (param is None or reply.json()["error"]["param"] == param), reply.text
