@@ -198,8 +198,12 @@ def _prepare(chat: ChatCompletionRequest, backend: Backend, limits: Limits,
         raise bad_request(job.where(str(error)), "messages") from None
     in_thinking = prompt_opens_thinking(prompt)
     if tools and (chat.tool_choice == "required" or isinstance(chat.tool_choice, NamedToolChoice)):
-        job.rule = ToolCallRule(backend.pipeline.processor.tokenizer, tools, backend.pipeline.model.eos_token_ids(),
-                                in_thinking=in_thinking, max_tokens=params.max_new_tokens)  # fmt: skip
+        try:
+            job.rule = ToolCallRule(backend.pipeline.processor.tokenizer, tools, backend.pipeline.model.eos_token_ids(),
+                                    in_thinking=in_thinking, max_tokens=params.max_new_tokens,
+                                    grammars=backend.pipeline.grammars)  # fmt: skip
+        except ConstraintError as error:
+            raise bad_request(f"tools: a parameter's schema: {error}", "tools") from None
     try:  # the constraint is compiled now (and cached), so that a bad one is a 400 naming its field
         backend.pipeline.constraint_rule(params, in_thinking, job.rule)
     except ConstraintError as error:

@@ -10,26 +10,30 @@ tokens may come next, so that the answer is one well-formed Qwen3 XML call (app/
 - the fixed parts are forced token by token; NAME is one of the allowed tools and P one of that
   tool's parameters not given yet (a choice among the tokenisations of the alternatives); the call
   closes (`</function>`) only once every parameter its schema lists as `required` is given;
-- a VALUE is free text, ended by the model's `\\n</parameter>`, or forced closed after
-  `value_tokens` tokens, or as soon as the rest of the answer's `max_tokens` is only enough to close
-  the call (each required parameter still missing with a one-token value); the turn cannot end
+- a VALUE follows its JSON schema (with `grammars`, mm/constraints.py): a number, integer, boolean,
+  null, object or array is compact JSON of that schema through xgrammar's masks, closed (forced
+  `\\n</parameter>\\n`) where the schema lets it end; a string enum is one of its strings; a value that
+  may be a string is free text, ended by the model's `\\n</parameter>` or forced closed after
+  `value_tokens` tokens. Any value is forced closed as soon as the rest of the answer's `max_tokens` is only enough to
+  close the call (each required parameter still missing with a one-token value); the turn cannot end
   inside the call;
 - after `</tool_call>` the turn ends.
-
-Values are not checked against their JSON schema types (the parser keeps a value that does not fit
-its type as a string).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from lm.sampling import TokenRule
+from mm.constraints import Grammars, GrammarState
 
 
 class ToolCallRule:
     def __init__(self, tokenizer, tools: list[dict[str, Any]], end_ids: tuple[int, ...], *, in_thinking: bool,
-                 value_tokens: int = 512, max_tokens: int | None = None):  # fmt: skip
+                 value_tokens: int = 512, max_tokens: int | None = None,
+                 grammars: Grammars | None = None):  # fmt: skip
         self.encode = lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
         self.decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
@@ -37,8 +41,16 @@ class ToolCallRule:
         self.params = {name: list(dict.fromkeys([*(schema.get("properties") or {}), *self.required[name]]))
                        for name, schema in schemas.items()}  # fmt: skip
         self.given: set[str] = set()  # the parameters of the call so far
+        self.typed = {}  # (tool, parameter) -> (compiled grammar, banned tokens) of a typed value
+        for name, schema in schemas.items():
+            for param, spec in (schema.get("properties") or {}).items():
+                if grammars is not None and isinstance(spec, dict) and (typed := grammars.value_grammar(spec)):
+                    self.typed[(name, param)] = typed
+        self.vocab_size = grammars.vocab_size if grammars is not None else 0
+        self.grammar: GrammarState | None = None  # the typed value being written
         self.end_ids, self.value_tokens, self.max_tokens = tuple(end_ids), value_tokens, max_tokens
-        self.lengths: dict[str, int] = {}  # token counts of the call's fixed parts
+        self.closing: dict[str, tuple[int, ...]] = {}  # token ids of the call's fixed parts (encoded once)
+        self._mask = None  # (value tokens, the typed value's grammar mask then)
         self.seen = 0  # tokens of the answer already processed
         self.state = "thinking" if in_thinking else "open"
         self.tool: str | None = None
@@ -73,6 +85,17 @@ class ToolCallRule:
                     self._then(after)
                     return
             return
+        if self.state == "typed":
+            allowed = self._typed_mask_raw()  # the grammar's mask where this token came
+            self.value.append(token)
+            if token == self._close()[0] and not bool(allowed[token]):  # the close, where the value may end
+                self._expect([(self._close(), "parameters")])
+                self._advance(token, recent)
+                return
+            self.grammar.take(token)
+            if self._must_close():  # (value_tokens bounds free text only: a grammar ends by itself)
+                self._expect([(self._close(), "parameters")])
+            return
         if self.state == "value":
             self.value.append(token)
             if self.decode(self.value).endswith("\n</parameter>"):
@@ -91,9 +114,7 @@ class ToolCallRule:
 
     def _length(self, text: str) -> int:
         """Tokens of a fixed part of the call (encoded once; _must_close asks at every value token)."""
-        if text not in self.lengths:
-            self.lengths[text] = len(self.encode(text))
-        return self.lengths[text]
+        return len(self._ids(text))
 
     def _then(self, after: str) -> None:
         self.forcing, self.taken = [], []
@@ -108,6 +129,9 @@ class ToolCallRule:
         elif after.startswith("value:"):
             self.state, self.value = "value", []
             self.given.add(after[6:])
+            if (typed := self.typed.get((self.tool, after[6:]))) is not None:
+                self.state, self.grammar = "typed", GrammarState(typed[0], self.vocab_size, typed[1])
+                self._mask = None
         elif after == "end":
             self.state = "end"
 
@@ -129,7 +153,28 @@ class ToolCallRule:
             n = len(self.taken)
             allow = {ids[n] for ids, _ in self.forcing if len(ids) > n and ids[:n] == tuple(self.taken)}
             return TokenRule(allow=tuple(sorted(allow)))
+        if self.state == "typed":
+            mask = self._typed_mask_raw().clone()
+            ends = torch.tensor(self.end_ids)
+            if bool(mask[ends].any()):  # the schema lets the value end here: its close may come instead
+                mask[ends] = False
+                mask[self._close()[0]] = True
+            return TokenRule(mask=mask)
         return TokenRule(ban=self.end_ids)  # inside a value: the turn cannot end here
+
+    def _close(self) -> tuple[int, ...]:
+        return self._ids("\n</parameter>\n")
+
+    def _ids(self, text: str) -> tuple[int, ...]:
+        if text not in self.closing:
+            self.closing[text] = self.encode(text)
+        return self.closing[text]
+
+    def _typed_mask_raw(self) -> torch.Tensor:
+        """The typed value's grammar mask at this point (computed once per token)."""
+        if self._mask is None or self._mask[0] != len(self.value):
+            self._mask = (len(self.value), self.grammar.mask())
+        return self._mask[1]
 
 
 def _required(name: str, schema: dict[str, Any]) -> list[str]:

@@ -66,10 +66,32 @@ class Grammars:
         """The compiled grammar of params' json_schema, regex or grammar (ConstraintError naming the field)."""
         field, source = next((f, getattr(params, f)) for f in ("json_schema", "regex", "grammar")
                              if getattr(params, f) is not None)  # fmt: skip
+        if field == "json_schema":
+            try:
+                json.loads(source)  # a clear error for text that is no JSON at all
+            except json.JSONDecodeError as error:
+                raise ConstraintError(f"json_schema: {error}") from None
+        return self._compiled(field, source)
+
+    def value_grammar(self, schema: dict) -> tuple[object, torch.Tensor | None] | None:
+        """(compiled grammar, banned tokens) of a tool parameter's value under its JSON schema, or None
+        for free text: a value that may be a string is written raw (the template's way), so only a
+        string enum is a grammar (its alternatives, raw); other types are compact JSON."""
+        kinds = schema.get("type")
+        kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+        enum = schema.get("enum")
+        if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+            pattern = "|".join(re.sub(r"([\\^$.|?*+()\[\]{}])", r"\\\1", v) for v in enum)
+            return self._compiled("regex", pattern), None
+        if "string" in kinds or not (kinds or enum is not None or "properties" in schema or "items" in schema):
+            return None
+        return self._compiled("json_schema", json.dumps(schema)), self.control
+
+    def _compiled(self, field: str, source: str):
+        """`source` compiled as a "json_schema" (compact JSON), "regex" or "grammar" (EBNF)."""
         compiler = self.compiler()
         try:
             if field == "json_schema":
-                json.loads(source)  # a clear error for text that is no JSON at all
                 return compiler.compile_json_schema(source, any_whitespace=False, separators=(",", ":"),
                                                     strict_mode=True)  # fmt: skip
             if field == "regex":
@@ -84,40 +106,61 @@ class Grammars:
                            think_end=think_end, banned=banned)  # fmt: skip
 
 
-class GrammarRule:
-    """A request's grammar state: each call takes the tokens generated so far and returns the
-    rule of the next one (None while thinking: free)."""
+class GrammarState:
+    """One walk through a compiled grammar: the mask of the tokens that may come next (without the
+    `banned` ones), and each token taken."""
 
-    def __init__(self, compiled, vocab_size: int, end_ids: Sequence[int], *, in_thinking: bool,
-                 think_end: int | None, banned: torch.Tensor | None = None):  # fmt: skip
+    def __init__(self, compiled, vocab_size: int, banned: torch.Tensor | None = None):
         xgr = _xgrammar()
         self.matcher = xgr.GrammarMatcher(compiled)
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-        self.vocab_size, self.end_ids = vocab_size, tuple(end_ids)
-        self.thinking, self.think_end = in_thinking, think_end
         self.keep = None if banned is None else ~banned  # tokens the grammar may allow
-        self.seen = 0
         shifts = torch.arange(32, dtype=torch.int32)
         self._unpack = lambda words: ((words[:, None] >> shifts) & 1).bool().reshape(-1)[:vocab_size]
 
-    def __call__(self, tokens: list[int]) -> TokenRule | None:
-        for token in tokens[self.seen :]:
-            self.seen += 1
-            if self.thinking:
-                self.thinking = token != self.think_end
-            elif not self.matcher.is_terminated() and not self.matcher.accept_token(token):
-                raise ConstraintError(f"token {token} does not fit the grammar")  # only a rule-less pick could
-        if self.thinking:
-            return None
-        if self.matcher.is_terminated():
-            return TokenRule(allow=self.end_ids)
+    @property
+    def done(self) -> bool:
+        """Whether the grammar took its end (a stop token)."""
+        return self.matcher.is_terminated()
+
+    def take(self, token: int) -> None:
+        if not self.matcher.accept_token(token):
+            raise ConstraintError(f"token {token} does not fit the grammar")  # only a rule-less pick could
+
+    def mask(self) -> torch.Tensor:
+        """The bool [V] mask of the next token: the grammar's (its end as the stop tokens), less the banned."""
         self.matcher.fill_next_token_bitmask(self.bitmask)
         mask = self._unpack(self.bitmask[0])
         if self.keep is not None:
             mask &= self.keep
         if not bool(mask.any()):
             raise ConstraintError("the grammar admits no next token")
-        return TokenRule(mask=mask)
+        return mask
+
+
+class GrammarRule:
+    """A request's grammar: each call takes the tokens generated so far and returns the rule of the
+    next one (None while thinking: free); once the grammar is complete, only the end of the turn."""
+
+    def __init__(self, compiled, vocab_size: int, end_ids: Sequence[int], *, in_thinking: bool,
+                 think_end: int | None, banned: torch.Tensor | None = None):  # fmt: skip
+        self.state = GrammarState(compiled, vocab_size, banned)
+        self.end_ids = tuple(end_ids)
+        self.thinking, self.think_end = in_thinking, think_end
+        self.seen = 0
+
+    def __call__(self, tokens: list[int]) -> TokenRule | None:
+        for token in tokens[self.seen :]:
+            self.seen += 1
+            if self.thinking:
+                self.thinking = token != self.think_end
+            elif not self.state.done:
+                self.state.take(token)
+        if self.thinking:
+            return None
+        if self.state.done:
+            return TokenRule(allow=self.end_ids)
+        return TokenRule(mask=self.state.mask())
 
 
 class BudgetRule:

@@ -48,3 +48,45 @@ def test_a_required_list_that_is_not_one_is_refused(tokenizer):
     bad = {"type": "function", "function": {"name": "f", "parameters": {"required": "city"}}}
     with pytest.raises(ValueError, match="'f': parameters.required must be a list"):
         ToolCallRule(tokenizer, [bad], end_ids=(1,), in_thinking=False)
+
+
+TYPED = {"type": "function", "function": {"name": "plan_trip", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "budget": {"type": "number", "minimum": 0, "maximum": 1e6}, "hotel": {"type": "boolean"},
+    "unit": {"enum": ["metric", "imperial"]}, "stops": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+    "where": {"type": "object", "properties": {"lat": {"type": "number", "minimum": -90, "maximum": 90},
+                                                "lon": {"type": "number", "minimum": -180, "maximum": 180}},
+              "required": ["lat", "lon"], "additionalProperties": False}},
+    "required": ["city", "days", "unit", "where"]}}}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_typed_parameters_follow_their_schema_under_random_weights(pipeline):
+    """Every call of the random model validates against the tool's schema: each typed value is
+    written under its grammar, every required parameter is there (strings are free text, closed after
+    `value_tokens`). The numbers are bounded: JSON lets an unbounded one take any exponent, which a
+    float cannot hold, and random weights write such exponents."""
+    import jsonschema
+
+    from lm import SamplingParams
+
+    tokenizer, schema = pipeline.processor.tokenizer, TYPED["function"]["parameters"]
+    conversation = [{"role": "user", "content": "Plan a trip."}]
+    answers = []
+    for seed in range(8):
+        rule = ToolCallRule(tokenizer, [TYPED], pipeline.model.eos_token_ids(), in_thinking=False, value_tokens=6,
+                            max_tokens=400, grammars=pipeline.grammars)  # fmt: skip
+        answers.append(pipeline.submit(conversation, SamplingParams(max_new_tokens=400, temperature=1.0, seed=seed),
+                                       enable_thinking=False, template_kwargs={"tools": [TYPED]}, rule=rule))  # fmt: skip
+    for answer in answers:
+        out = answer.output()
+        _, [call] = parse_tool_calls(out.text, [TYPED])
+        assert call.name == "plan_trip" and out.finish_reason == "stop", out.text
+        jsonschema.validate(call.arguments, schema)
+
+
+def test_a_bad_parameter_schema_is_refused_by_name(pipeline):
+    from mm.constraints import ConstraintError
+
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"n": {"type": "intger"}}}}}
+    with pytest.raises(ConstraintError, match='Unsupported type "intger"'):
+        ToolCallRule(pipeline.processor.tokenizer, [bad], (1,), in_thinking=False, grammars=pipeline.grammars)
