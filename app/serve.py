@@ -31,6 +31,7 @@ from lm.serving import EngineClosedError
 from mm.constraints import ConstraintError
 from mm.processor import PromptTooLongError
 
+from . import serve_choices as choices
 from . import serve_response as shape
 from .openai_protocol import APIError, ChatCompletionRequest, NamedToolChoice, bad_request, parse_request
 from .loading import add_model_arguments, check_model, engine_options, load_pipeline
@@ -155,6 +156,10 @@ async def _chat(request: Request, backend: Backend, config: ServeConfig, record:
         log.info(record.line())
         return Response(status_code=204)
     record.first = time.perf_counter()
+    if (chat.n or 1) > 1:  # choice 0's prompt is prefilled now: the others resume from it
+        watcher.cancel()
+        group = choices.Choices(backend, job, generation, events, first, chat.n, in_thinking)
+        return await _many(chat, config.model_name, record, backend, group, request)
     if chat.stream:
         stream = _sse(chat, config.model_name, record, generation, events, first, answer, watcher)
         return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -163,6 +168,46 @@ async def _chat(request: Request, backend: Backend, config: ServeConfig, record:
     finally:
         watcher.cancel()
         generation.cancel()
+
+
+async def _many(chat: ChatCompletionRequest, model: str, record: _Record, backend: Backend,
+                group: choices.Choices, request: Request) -> Response:  # fmt: skip
+    """The response of `n` > 1 choices (app/serve_choices.py), streamed or not."""
+    watcher = asyncio.create_task(_watch_disconnect(request, group))
+
+    def done(outputs: list[Any]) -> None:
+        usage = choices.total_usage(outputs)
+        record.prompt_tokens, record.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+        record.finish = ",".join(shape.finish_reason(o, s.calls) for o, s in zip(outputs, group.streams))
+
+    if chat.stream:
+        async def sse() -> AsyncIterator[str]:
+            try:
+                async for event in choices.stream(chat, model, record.rid, group, backend.token_text, done):
+                    yield event
+            except Exception as error:  # noqa: BLE001 - after the headers, an error can only be an event
+                api_error = _as_api_error(error)
+                record.status, record.finish = api_error.status, "error"
+                yield _event(api_error.body())
+                yield "data: [DONE]\n\n"
+            finally:
+                watcher.cancel()
+                group.cancel()
+                log.info(record.line())
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        body, outputs = await choices.complete(model, record.rid, group, backend.token_text)
+    finally:
+        watcher.cancel()
+        group.cancel()
+    if body is None:  # cancelled: the client is gone
+        record.status, record.finish = 499, "cancelled"
+        log.info(record.line())
+        return Response(status_code=204)
+    done(outputs)
+    log.info(record.line())
+    return JSONResponse(body)
 
 
 async def _fetch_media(refs: list[MediaRef], backend: Backend, policy: MediaPolicy,
@@ -184,6 +229,11 @@ def _prepare(chat: ChatCompletionRequest, backend: Backend, limits: Limits,
              media: dict[str, bytes]) -> tuple[ChatJob, bool]:  # fmt: skip
     """The job of a request (run in a thread) and whether its prompt opens thinking."""
     params = sampling_params(chat, backend.default_params(), backend.max_context, limits)
+    if (chat.n or 1) > backend.pipeline.engine.max_batch:
+        raise bad_request(f"n={chat.n} is more choices than the engine's slots ({backend.pipeline.engine.max_batch}, "
+                          "--max-batch)", "n")  # fmt: skip
+    if (chat.n or 1) > 1 and (chat.tool_choice == "required" or isinstance(chat.tool_choice, NamedToolChoice)):
+        raise bad_request("n > 1 with tool_choice required or a named function is not supported", "n")
     vocab = backend.pipeline.model.config.text.vocab_size
     if any(token >= vocab for token, _ in params.logit_bias):
         unknown = next(token for token, _ in params.logit_bias if token >= vocab)

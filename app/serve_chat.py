@@ -68,8 +68,6 @@ _PROCESSOR_WHERE = re.compile(r"conversation 0, message (\d+)(?:, part (\d+))?")
 def sampling_params(request: ChatCompletionRequest, defaults: SamplingParams, max_context: int,
                     limits: Limits) -> SamplingParams:  # fmt: skip
     """The request's sampling parameters over the checkpoint's defaults (generation_config.json)."""
-    if request.n not in (None, 1):
-        raise bad_request("n > 1 is not supported: ask for one choice per request", "n")
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if request.stream_options is not None and not request.stream:

@@ -130,3 +130,35 @@ def test_logprobs_streamed_and_not_and_logit_bias(url, pipeline):
 def test_bad_logprobs_and_logit_bias_are_400s(url, fields, param):
     reply = httpx.post(f"{url}/v1/chat/completions", json=_body(**fields), timeout=60)
     assert reply.status_code == 400 and (param is None or reply.json()["error"]["param"] == param), reply.text
+
+
+def test_n_choices_share_the_prompt_and_are_seeded_each(url, pipeline):
+    body = _body(max_tokens=8, n=3, seed=11, logprobs=True, chat_template_kwargs={"enable_thinking": False},
+                 messages=[{"role": "user", "content": "A prompt for three choices, long enough to cache " * 6}])
+    before = pipeline.engine.prefix.stats()
+    reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    data = reply.json()
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2]
+    texts = [c["message"]["content"] for c in data["choices"]]
+    assert len(set(texts)) == 3  # seed, seed + 1, seed + 2
+    assert data["usage"]["completion_tokens"] == sum(len(c["logprobs"]["content"]) for c in data["choices"])
+    assert pipeline.engine.prefix.stats()["hits"] >= before["hits"] + 2  # choices 1 and 2 resumed choice 0's prompt
+    one = httpx.post(f"{url}/v1/chat/completions", json={**body, "n": 1, "seed": 12}, timeout=120).json()
+    assert one["choices"][0]["message"]["content"] == texts[1]  # choice 1 is the request seeded seed + 1
+    streamed = {0: "", 1: "", 2: ""}
+    finishes = {}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    streamed[choice["index"]] += choice["delta"].get("content") or ""
+                    finishes[choice["index"]] = choice["finish_reason"] or finishes.get(choice["index"])
+    assert [streamed[i] for i in range(3)] == texts and all(finishes[i] for i in range(3))
+
+
+def test_n_beyond_the_slots_or_with_a_forced_tool_is_a_400(url):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    for fields in ({"n": 9}, {"n": 2, "tools": tools, "tool_choice": "required"}):
+        reply = httpx.post(f"{url}/v1/chat/completions", json=_body(**fields), timeout=60)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "n", reply.text
