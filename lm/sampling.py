@@ -13,6 +13,7 @@ from . import kernels
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
 INT_MAX = (1 << 31) - 1  # the largest token count or top_k any request may name
 MAX_LOGPROBS = 20  # the most alternatives a sampled token's logprobs list (OpenAI's limit)
+PREFIX_SEARCH = 1024  # top-p / min-p look for their cut among this many likeliest tokens first (_candidates)
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ class Sampler:
             else:
                 candidates, probs = _candidates(scores / p.temperature, p)
                 choice = torch.multinomial(probs, 1, generator=self.generators[row])
-                picks.append(int(candidates[choice]))
+                picks.append(int(choice) if candidates is None else int(candidates[choice]))
             if p.logprobs is not None:
                 self.logprobs[row] = _logprobs(scores, picks[-1], p.logprobs)
         return picks
@@ -219,19 +220,35 @@ class TokenRule:
         return logits
 
 
-def _candidates(scores: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+def _candidates(scores: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Token ids that survive top-k, top-p (nucleus) and min-p, most likely first, and their
-    renormalised probabilities (sampling then touches only the candidates, not the whole vocabulary)."""
+    renormalised probabilities (sampling then touches only the candidates, not the whole vocabulary).
+    Without any filter every token is a candidate: (None, the softmax in vocabulary order). With
+    top-p / min-p alone, the candidates are looked for among the PREFIX_SEARCH likeliest tokens first
+    (a full sort of a 248k vocabulary takes ~16 ms) and the whole vocabulary is sorted only when they
+    do not hold the cut; the result is the same."""
+    if not p.top_k and p.top_p >= 1.0 and p.min_p <= 0:
+        return None, torch.softmax(scores, dim=-1)
     if p.top_k:
         values, index = torch.topk(scores, min(p.top_k, scores.shape[-1]))
+        probs = torch.softmax(values, dim=-1)  # sorted, descending
     else:
-        values, index = torch.sort(scores, descending=True)
-    probs = torch.softmax(values, dim=-1)  # sorted, descending
+        total = torch.logsumexp(scores, dim=-1)  # probabilities of the whole vocabulary, computed alike
+        values, index = torch.topk(scores, min(PREFIX_SEARCH, scores.shape[-1]))
+        probs = torch.exp(values - total)
+        if values.shape[-1] < scores.shape[-1] and _kept(probs, p) == values.shape[-1]:  # the cut lies beyond
+            values, index = torch.sort(scores, descending=True)
+            probs = torch.exp(values - total)
+    n = _kept(probs, p)
+    return index[:n], probs[:n] / probs[:n].sum()
+
+
+def _kept(probs: torch.Tensor, p: SamplingParams) -> int:
+    """How many of the sorted candidates top-p and min-p keep (they keep a prefix)."""
     keep = torch.ones_like(probs, dtype=torch.bool)
     if p.top_p < 1.0:
         before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
         keep &= before < p.top_p
     if p.min_p > 0:
         keep &= probs >= p.min_p * probs[0]
-    n = int(keep.sum())  # keep is a prefix of the sorted candidates
-    return index[:n], probs[:n] / probs[:n].sum()
+    return int(keep.sum())

@@ -51,7 +51,23 @@ def test_top_k_top_p_min_p_filters():
     ids, probs = _candidates(scores, SamplingParams(temperature=1, min_p=0.2))  # keep p >= 0.1
     assert ids.tolist() == [1, 0, 2] and torch.isclose(probs.sum(), torch.tensor(1.0))
     ids, probs = _candidates(scores, SamplingParams(temperature=1))
-    assert ids.tolist() == [1, 0, 2, 3, 4]
+    assert ids is None and torch.allclose(probs, torch.tensor([0.25, 0.5, 0.15, 0.07, 0.03]))  # every token
+
+
+def test_top_p_and_min_p_over_a_large_vocabulary_equal_the_full_sort():
+    """The cut is looked for among the likeliest tokens first; where it lies beyond them, the whole
+    vocabulary is sorted: both keep the tokens, with the probabilities, that sorting everything keeps."""
+    g = torch.Generator().manual_seed(0)
+    cases = [(4.0, SamplingParams(temperature=1, top_p=0.9)), (0.1, SamplingParams(temperature=1, top_p=0.95)),
+             (3.0, SamplingParams(temperature=1, min_p=0.05)), (0.1, SamplingParams(temperature=1, min_p=0.5))]
+    for scale, params in cases:
+        scores = torch.randn(5000, generator=g) * scale  # peaked (a short prefix) or flat (beyond the first 1024)
+        ids, probs = _candidates(scores, params)
+        ordered, index = torch.sort(scores, descending=True)
+        full = torch.softmax(ordered, dim=-1)
+        keep = (full.cumsum(-1) - full < params.top_p) & (full >= params.min_p * full[0])
+        assert set(ids.tolist()) == set(index[keep].tolist())
+        assert torch.allclose(probs, full[keep] / full[keep].sum(), atol=1e-6)
 
 
 def test_repetition_and_presence_penalties():
