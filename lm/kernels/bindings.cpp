@@ -55,7 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &DecodePlan::run)
       .def("set_ends", &DecodePlan::set_ends)
       .def("has_ends", &DecodePlan::has_ends)
-      // a step runs without the GIL: the engine computes its rows' token masks meanwhile (lm/serving/scheduler.py)
+      // a step runs without the GIL: the server's other threads (HTTP, detokenising) go on meanwhile
       .def("step", &DecodePlan::step, py::call_guard<py::gil_scoped_release>())
       .def("step_tokens", &DecodePlan::step_tokens, py::call_guard<py::gil_scoped_release>());
 }

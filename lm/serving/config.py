@@ -34,7 +34,6 @@ class EngineConfig:
     snapshot_every: int = 512  # long prompts leave a prefix-cache snapshot every this many tokens
     named_snapshots: int = 8  # at most this many of the snapshot points a caller names per prompt
     snapshot_generations: bool = True  # a finished generation leaves a snapshot (the next chat turn's prefix)
-    overlap_rules: bool = True  # rows' rules (token masks) computed in a thread while the decode step runs
 
     def __post_init__(self):
         small = [f.name for f in dataclasses.fields(self) if f.name in _AT_LEAST_ONE and getattr(self, f.name) < 1]

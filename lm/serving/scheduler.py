@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -41,9 +40,6 @@ class _Row:
     reason: str | None = None  # why it ended, once it has (set before its slot is freed)
 
 
-_ASK = object()  # _sample's rule: ask the request's rule now
-
-
 class Scheduler:
     def __init__(self, lm: CausalLM, eos: tuple[int, ...], config: EngineConfig):
         self.lm, self.eos, self.config = lm, eos, config
@@ -56,12 +52,6 @@ class Scheduler:
         self._waiting: deque[_Row] = deque()
         self._prefilling: _Row | None = None
         self._running: list[_Row] = []  # row i lives in slot i
-        self._rules: ThreadPoolExecutor | None = None  # computes rules beside the decode step (_decode)
-
-    def _rule_thread(self) -> ThreadPoolExecutor:
-        if self._rules is None:
-            self._rules = ThreadPoolExecutor(1, thread_name_prefix="qwen35-rules")
-        return self._rules
 
     def stats(self) -> dict:
         return dict(self.counters, running=len(self._running), waiting=len(self._waiting),
@@ -277,10 +267,6 @@ class Scheduler:
         self.store.ensure(max(lengths) + 1)
         view = self.store.view(n, max(lengths))
         tokens, positions = [r.request.tokens[-1] for r in running], [r.next_pos for r in running]
-        # the rows' rules (e.g. a grammar's token mask) depend only on the tokens so far: computed in
-        # the rule thread while the decode step runs (the C++ step releases the GIL)
-        rules = {i: self._rule_thread().submit(r.request.rule, list(r.request.tokens)) for i, r in enumerate(running)
-                 if r.request.rule is not None and self.config.overlap_rules}  # fmt: skip
         try:  # the decode plan updates the view's states in place; the model may replace them
             logits, ran_model = runner.decode(self.lm, view, tokens, positions, lengths)
             if ran_model:
@@ -299,9 +285,7 @@ class Scheduler:
         for i, row in enumerate(running):
             row.next_pos += 1
             with self._guard(row.request, row):
-                rule = rules[i].result() if i in rules else None
-                if self._sample(row, logits[i], finish=False, token=None if picks is None else picks[i],
-                                rule=rule if i in rules else _ASK) is not None:  # fmt: skip
+                if self._sample(row, logits[i], finish=False, token=None if picks is None else picks[i]) is not None:
                     ended.append(i)
             if row.request.done:  # its sampling failed
                 ended.append(i)
@@ -315,18 +299,14 @@ class Scheduler:
                 self.prefix.insert(key, self.store.save(i), row.logits)
             self._finish(self._remove(i), row.reason)
 
-    def _sample(self, row: _Row, logits: torch.Tensor, finish: bool = True, token: int | None = None,
-                rule=_ASK) -> str | None:  # fmt: skip
+    def _sample(self, row: _Row, logits: torch.Tensor, finish: bool = True, token: int | None = None) -> str | None:
         """Sample (unless `token`, the row's pick, is given) and emit one token; returns the finish
         reason when it ends the request (finished at once unless `finish` is False: then the caller
-        frees the slot first). `rule`: the request's rule for this token, when already asked (_ASK:
-        ask it now)."""
+        frees the slot first)."""
         request = row.request
         row.logits = logits
         if token is None:
-            if rule is _ASK:
-                rule = request.rule(request.tokens) if request.rule is not None else None
-            if rule is not None:
+            if request.rule is not None and (rule := request.rule(request.tokens)) is not None:
                 logits = rule.apply(logits)
             token = row.sampler(logits[None], [0], [request.tokens])[0]
         if request.params.logprobs is not None:
