@@ -11,25 +11,34 @@ skipped too, unless `--retry-errors` asks to caption them again.
     # a SLURM array, one output per shard:
     python -m app.caption videos/ --shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT \
         --out captions.$SLURM_ARRAY_TASK_ID.jsonl
+    # a Ray cluster (pip install -e '.[ray]'), a folder of part files as output (app/caption_ray.py):
+    python -m app.caption --ray --ray-address auto --actors 16 videos/ --out captions/
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import sys
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import torch
 from tqdm import tqdm
 
 from mm import ModelConfig
 from preprocess.video import MIN_FRAMES
 
 from .caption_inputs import expand_inputs, in_shard, parse_shard
-from .caption_run import CaptionJob, run
-from .caption_store import CaptionStore
-from .loading import add_model_arguments, check_model, device_problem, engine_options, load_pipeline
+from .caption_run import load_job, run
+from .caption_store import CaptionStore, pending
+from .loading import add_model_arguments, check_model, device_problem
+
+RAY_INSTALL = "pip install -e '.[ray]' (ray[data] 2.60)"
+# the cluster options, their defaults with --ray (None: decided by app.caption_ray); each needs --ray
+RAY_DEFAULTS = dict(ray_address=None, actors=None, cpus_per_actor=1.0, gpus_per_actor=None, videos_per_task=None,
+                    format="jsonl")  # fmt: skip
 
 DEFAULT_PROMPT = "Describe this video in detail."
 
@@ -38,9 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line of `python -m app.caption`; every option is checked here, before any video is read."""
     parser = argparse.ArgumentParser(prog="python -m app.caption", description=__doc__.split("\n\n")[0])
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
-                        help="video files, folders (searched recursively) or .txt/.csv/.jsonl lists of paths")
+                        help="video files, URLs, folders (searched recursively), quoted globs, or "
+                             ".txt/.csv/.jsonl/.parquet lists of paths and URLs")
     parser.add_argument("--out", required=True,
-                        help="output .jsonl file (appended to; videos already captioned in it are skipped)")
+                        help="output .jsonl file (appended to; videos already captioned in it are skipped); with "
+                             "--ray a folder or object-store URI of part files")
     add_model_arguments(parser)
     default = " (default: %(default)s)"
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the question asked about every video" + default)
@@ -58,12 +69,63 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--retry-errors", action="store_true",
                         help="caption again the videos that have only error records in --out (captioned ones "
                              "are never redone)")  # fmt: skip
+    _add_ray_arguments(parser)
     args = parser.parse_args(argv)
-    problems = _option_problems(args)
+    problems = _option_problems(args) + _ray_problems(args)
     if problems:
         parser.error("; ".join(problems))
     args.shard = parse_shard(args.shard)
+    if args.ray:
+        _fill_ray_defaults(args)
     return args
+
+
+def _add_ray_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(f"on a Ray cluster (Ray Data; {RAY_INSTALL})")
+    group.add_argument("--ray", action="store_true",
+                       help="caption through Ray Data on an actor pool; --out is then a folder of part files")
+    group.add_argument("--ray-address", metavar="ADDR",
+                       help="the cluster to join, e.g. auto or HEAD:6379 (default: $RAY_ADDRESS, else a local cluster)")
+    group.add_argument("--actors", type=int, metavar="N",
+                       help="actors, each one pipeline (default: as many as the cluster's CPUs, or GPUs, hold)")
+    group.add_argument("--cpus-per-actor", type=float, metavar="C", help="CPUs of one actor (default: 1)")
+    group.add_argument("--gpus-per-actor", type=float, metavar="G",
+                       help="GPUs of one actor (default: 1 with --device cuda, else 0)")
+    group.add_argument("--videos-per-task", type=int, metavar="N",
+                       help="videos in one map task and one part file; an actor takes two at a time (default: 4 x "
+                            "--batch-size, fewer in a small run so that every actor gets two)")
+    group.add_argument("--format", choices=["jsonl", "parquet"], help="the part files' format (default: jsonl)")
+
+
+def _ray_problems(args: argparse.Namespace) -> list[str]:
+    given = [f"--{name.replace('_', '-')}" for name in RAY_DEFAULTS if getattr(args, name) is not None]
+    if not args.ray:
+        return [f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --ray"] if given else []
+    if importlib.util.find_spec("ray") is None:
+        return [f"--ray needs Ray Data, which is not installed: {RAY_INSTALL}"]
+    checks = [("actors", lambda n: n >= 1, ">= 1"), ("videos_per_task", lambda n: n >= 1, ">= 1"),
+              ("cpus_per_actor", lambda n: n > 0, "> 0"), ("gpus_per_actor", lambda n: n >= 0, ">= 0")]
+    return [f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}"
+            for name, ok, rule in checks if getattr(args, name) is not None and not ok(getattr(args, name))]
+
+
+def _ray_device_problem(device: str) -> str | None:
+    """With --ray the device is the actors' (on any node), so only its form is checked here."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as error:
+        return f"--device {device}: not a torch device ({error})"
+    if parsed.type == "cuda" and parsed.index is not None:
+        return f"--device {device}: with --ray each actor is given its own GPUs (--gpus-per-actor); use --device cuda"
+    return None
+
+
+def _fill_ray_defaults(args: argparse.Namespace) -> None:
+    for name, default in RAY_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.gpus_per_actor is None:
+        args.gpus_per_actor = 1.0 if torch.device(args.device).type == "cuda" else 0.0
 
 
 def _option_problems(args: argparse.Namespace) -> list[str]:
@@ -76,7 +138,7 @@ def _option_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--fps must be a positive number, got {args.fps}")
     if not args.prompt.strip():
         problems.append("--prompt is empty")
-    if (problem := device_problem(args.device)) is not None:
+    if (problem := (_ray_device_problem if args.ray else device_problem)(args.device)) is not None:
         problems.append(problem)
     try:
         parse_shard(args.shard)
@@ -89,29 +151,28 @@ def main(argv: list[str] | None = None) -> int:
     """Run the captioner; returns the exit status (0 also when some videos got error records).
     A missing input, an unusable model or output file ends it with a one-line `error:` message."""
     args = parse_args(argv)
-    model_path = _checked(lambda: check_model(args.model))  # fail (or announce the random model) before any work
+    model_path = checked(lambda: check_model(args.model))  # fail (or announce the random model) before any work
     context = ModelConfig.from_pretrained(model_path).text.max_position_embeddings  # (read by check_model)
     if args.max_new_tokens >= context:
         raise SystemExit(f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a video in the "
                          f"model's context of {context} tokens")  # fmt: skip
-    paths = _checked(lambda: [p for p in expand_inputs(args.inputs) if in_shard(p, *args.shard)])
-    with _checked(lambda: CaptionStore(args.out)) as store:
-        todo = [p for p in paths if p not in store.captioned and (args.retry_errors or p not in store.failed)]
-        print(_plan(paths, store, args, len(todo)), file=sys.stderr)
+    paths = checked(lambda: [p for p in expand_inputs(args.inputs) if in_shard(p, *args.shard)])
+    if args.ray:
+        return _ray_main()(args, paths)
+    with checked(lambda: CaptionStore(args.out)) as store:
+        todo = pending(paths, store, args.retry_errors)
+        print(plan_line(paths, store, args, len(todo)), file=sys.stderr)
         if not todo:
             return 0
-        pipeline = _checked(lambda: load_pipeline(model_path, device=args.device, dtype=args.dtype, weights=args.weights,
-                                                         engine_options=engine_options(args), compute=args.compute))
-        params = pipeline.default_params(args.preset, max_new_tokens=args.max_new_tokens, seed=args.seed)
-        job = CaptionJob(args.prompt, params, args.thinking, args.fps, args.max_frames)
+        pipeline, job = checked(lambda: load_job(args, model_path))
         with tqdm(total=len(todo), unit="video", dynamic_ncols=True, smoothing=0.1) as bar:
             errors = run(pipeline, todo, store, job, batch_size=args.batch_size, workers=args.workers, progress=bar)
     print(f"done: {len(todo) - errors} captioned, {errors} errors, written to {args.out}", file=sys.stderr)
     return 0
 
 
-def _plan(paths: list[str], store: CaptionStore, args: argparse.Namespace, todo: int) -> str:
-    """The line that says what this run will do."""
+def plan_line(paths: list[str], store: Any, args: argparse.Namespace, todo: int) -> str:
+    """The line that says what this run will do; `store` has the `captioned` and `failed` sets."""
     captioned = sum(p in store.captioned for p in paths)
     failed = sum(p in store.failed for p in paths)
     retry = "retried" if args.retry_errors else "skipped; --retry-errors retries them"
@@ -120,10 +181,16 @@ def _plan(paths: list[str], store: CaptionStore, args: argparse.Namespace, todo:
             f"{args.out}{errors}, {todo} to caption")  # fmt: skip
 
 
+def _ray_main() -> Callable[[argparse.Namespace, list[str]], int]:
+    from . import caption_ray  # needs ray, checked by parse_args
+
+    return caption_ray.main
+
+
 T = TypeVar("T")
 
 
-def _checked(step: Callable[[], T]) -> T:
+def checked(step: Callable[[], T]) -> T:
     """`step()`, with the errors a user causes (a missing file, an unusable model or output) as
     `error: ...` lines instead of tracebacks."""
     try:

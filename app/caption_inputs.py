@@ -1,8 +1,9 @@
-"""Inputs of the captioner: video files, folders and list files expanded to paths, and sharding."""
+"""Inputs of the captioner: video files, folders, globs, URLs and list files expanded to ids, and sharding."""
 
 from __future__ import annotations
 
 import csv
+import glob
 import hashlib
 import json
 import os
@@ -10,29 +11,41 @@ from pathlib import Path
 
 from .media import is_video
 
-LIST_SUFFIXES = (".txt", ".csv", ".jsonl")
+LIST_SUFFIXES = (".txt", ".csv", ".jsonl", ".parquet")
+URL_SCHEMES = ("http://", "https://", "rtsp://")  # read by FFmpeg itself (preprocess/video_index.py)
 
 
 def expand_inputs(inputs: list[str]) -> list[str]:
-    """Absolute paths of the videos named by `inputs`, sorted, without duplicates.
+    """The ids of the videos named by `inputs`, sorted, without duplicates: absolute paths, and URLs
+    as written. The id is the record's "path", stable across runs (resume and shards use it).
 
-    An input is a video file (any extension), a folder (searched recursively for video extensions,
-    see `app.media.VIDEO_EXTENSIONS`), or a list file: `.txt` (one path a line; blank lines and `#`
-    comments skipped), `.csv` (a `path` column, else the first column) or `.jsonl` (objects with a
-    "path", e.g. an earlier captions file, or JSON strings). Relative paths in a list file are
-    relative to the list file's folder; listed files are not checked here (a missing one gets an
-    error record). A missing input, or a folder without videos, is an error.
+    An input is a video file (any extension), a URL (http, https, rtsp), a folder (searched
+    recursively for video extensions, see `app.media.VIDEO_EXTENSIONS`), a glob (`videos/**/*.mp4`,
+    quoted so that the shell leaves it; the files it matches with video extensions), or a list file: `.txt`
+    (one path or URL a line; blank lines and `#` comments skipped), `.csv` (a `path` column, else
+    the first column), `.jsonl` (objects with a "path", e.g. an earlier captions file, or JSON
+    strings) or `.parquet` (a `path` column, else the first column; needs pyarrow). Relative paths
+    in a list file are relative to the list file's folder; listed files are not checked here (a
+    missing one gets an error record). A missing input, a glob without matches, or a folder without
+    videos, is an error.
     """
     found: set[str] = set()
     for item in inputs:
         path = Path(item).expanduser()
-        if path.is_dir():
+        if item.startswith(URL_SCHEMES):
+            found.add(item)
+        elif not path.exists() and glob.has_magic(item):
+            videos = [m for m in glob.glob(str(path), recursive=True) if os.path.isfile(m) and is_video(m)]
+            if not videos:
+                raise FileNotFoundError(f"no video files match {item}")
+            found.update(os.path.abspath(m) for m in videos)
+        elif path.is_dir():
             videos = [p for p in path.rglob("*") if p.is_file() and is_video(p)]
             if not videos:
                 raise FileNotFoundError(f"no video files under {path}")
             found.update(os.path.abspath(p) for p in videos)
         elif path.is_file() and path.suffix.lower() in LIST_SUFFIXES:
-            found.update(os.path.abspath(path.parent / p) for p in read_list(path))
+            found.update(_resolve(entry, path.parent) for entry in read_list(path))
         elif path.is_file():
             found.add(os.path.abspath(path))
         else:
@@ -40,10 +53,17 @@ def expand_inputs(inputs: list[str]) -> list[str]:
     return sorted(found)
 
 
+def _resolve(entry: str, folder: Path) -> str:
+    """A list file's entry as an id: a URL as it is, a path made absolute from the list's folder."""
+    return entry if entry.startswith(URL_SCHEMES) else os.path.abspath(folder / entry)
+
+
 def read_list(path: Path) -> list[str]:
-    """The paths named by a .txt, .csv or .jsonl list file."""
-    text = path.read_text(encoding="utf-8")
+    """The paths named by a .txt, .csv, .jsonl or .parquet list file."""
     suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return _parquet_paths(path)
+    text = path.read_text(encoding="utf-8")
     if suffix == ".txt":
         lines = (line.strip() for line in text.splitlines())
         return [line for line in lines if line and not line.startswith("#")]
@@ -66,6 +86,22 @@ def _jsonl_path(line: str, path: Path, number: int) -> str:
     if isinstance(value, str):
         return value
     raise ValueError(f"{path}, line {number}: expected an object with a string 'path', or a string")
+
+
+def _parquet_paths(path: Path) -> list[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ModuleNotFoundError:
+        raise ValueError(f"{path}: reading a .parquet list needs pyarrow: pip install -e '.[ray]' "
+                         "(or pip install pyarrow)") from None
+    schema = pq.read_schema(path)
+    column = "path" if "path" in schema.names else schema.names[0] if schema.names else None
+    if column is None:
+        raise ValueError(f"{path}: a .parquet list needs a column of paths (named 'path', or the first)")
+    values = pq.read_table(path, columns=[column]).column(column).to_pylist()
+    if not all(isinstance(value, str) for value in values):
+        raise ValueError(f"{path}: column {column!r} must hold strings (paths or URLs), without nulls")
+    return [value.strip() for value in values if value.strip()]
 
 
 def parse_shard(text: str) -> tuple[int, int]:

@@ -12,19 +12,27 @@ being pickled and copied between processes.
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import preprocess
 from lm import SamplingParams
 from mm import Pipeline
 from mm.pipeline import Answer
 
-from .caption_store import CaptionStore
+from .loading import engine_options, load_pipeline
+
+
+class RecordSink(Protocol):
+    """Where `run` puts each video's record: the JSONL store, or an actor's list of a batch's records."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
 
 
 @dataclass
@@ -46,6 +54,15 @@ class CaptionJob:
     enable_thinking: bool
     fps: float
     max_frames: int
+
+
+def load_job(args: argparse.Namespace, model: str | Path | None) -> tuple[Pipeline, CaptionJob]:
+    """The pipeline of `model` (a checkpoint directory, or None for the built-in model) with the
+    engine options, and the job, of the captioner's command line (`python -m app.caption`'s arguments)."""
+    pipeline = load_pipeline(model, device=args.device, dtype=args.dtype, weights=args.weights,
+                             engine_options=engine_options(args), compute=args.compute)  # fmt: skip
+    params = pipeline.default_params(args.preset, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    return pipeline, CaptionJob(args.prompt, params, args.thinking, args.fps, args.max_frames)
 
 
 def decode(path: str, fps: float, max_frames: int) -> Decoded:
@@ -96,7 +113,7 @@ def error_record(item: Decoded, error: str) -> dict[str, Any]:
                 finish_reason=None, completion_tokens=None, seconds=round(item.seconds, 3))  # fmt: skip
 
 
-def run(pipeline: Pipeline, paths: list[str], store: CaptionStore, job: CaptionJob, *, batch_size: int,
+def run(pipeline: Pipeline, paths: list[str], store: RecordSink, job: CaptionJob, *, batch_size: int,
         workers: int, progress: Any) -> int:  # fmt: skip
     """Caption `paths` into `store` with up to `batch_size` videos generating at once; returns the
     number of errors. `progress` is a tqdm-like bar (`update(n)`, `set_postfix`)."""

@@ -6,8 +6,45 @@ import fcntl
 import json
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+
+def parse_record(line: str, where: str) -> dict[str, Any]:
+    """One JSON line of a captions file; ValueError naming `where` (file and line) if it is not a record."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not a JSON record ({error}); is this a captions file?") from None
+    if not isinstance(record, dict) or not isinstance(record.get("path"), str):
+        raise ValueError(f"{where}: a record needs a string 'path'; is this a captions file?")
+    return record
+
+
+def record_states(records: Iterable[dict[str, Any]]) -> tuple[set[str], set[str]]:
+    """(captioned, failed): the paths with a record whose "error" is null, and those whose records are all errors."""
+    records = list(records)
+    done = {record["path"] for record in records}
+    captioned = {record["path"] for record in records if record.get("error") is None}
+    return captioned, done - captioned
+
+
+def final_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per path, in order of first appearance: its first caption, or, when it has none,
+    its last error record (a retry appends a new one)."""
+    chosen: dict[str, dict[str, Any]] = {}
+    for record in records:
+        kept = chosen.get(record["path"])
+        if kept is None or (kept.get("error") is not None):
+            chosen[record["path"]] = record
+    return list(chosen.values())
+
+
+def pending(paths: Iterable[str], store: Any, retry_errors: bool) -> list[str]:
+    """The paths still to caption: without a caption in `store` (anything with `captioned` and
+    `failed` sets), and, unless `retry_errors`, without an error record either."""
+    return [p for p in paths if p not in store.captioned and (retry_errors or p not in store.failed)]
 
 
 class CaptionStore:
@@ -32,10 +69,8 @@ class CaptionStore:
         self._file = open(self.path, "a", encoding="utf-8")
         try:
             self._lock()
-            records = self._read_and_repair()
-            self.done: set[str] = {record["path"] for record in records}
-            self.captioned: set[str] = {record["path"] for record in records if record.get("error") is None}
-            self.failed: set[str] = self.done - self.captioned
+            self.captioned, self.failed = record_states(self._read_and_repair())
+            self.done: set[str] = self.captioned | self.failed
         except BaseException:
             self.close()
             raise
@@ -82,14 +117,5 @@ class CaptionStore:
             with open(self.path, "r+b") as file:
                 file.truncate(len(whole))
                 os.fsync(file.fileno())
-        return [self._parse(line, n) for n, line in enumerate(whole.decode("utf-8").splitlines(), 1) if line.strip()]
-
-    def _parse(self, line: str, number: int) -> dict[str, Any]:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{self.path}, line {number}: not a JSON record ({error}); "
-                             "is this a captions file?") from None
-        if not isinstance(record, dict) or not isinstance(record.get("path"), str):
-            raise ValueError(f"{self.path}, line {number}: a record needs a string 'path'; is this a captions file?")
-        return record
+        lines = whole.decode("utf-8").splitlines()
+        return [parse_record(line, f"{self.path}, line {n}") for n, line in enumerate(lines, 1) if line.strip()]

@@ -156,6 +156,26 @@ def test_list_files_and_missing_inputs(tmp_path):
         caption.main([str(tmp_path / "v"), "--out", str(tmp_path / "o.jsonl"), "--batch-size", "0"])
 
 
+def test_globs_urls_and_parquet_lists(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    videos = write_videos(tmp_path / "v", 3)
+    (tmp_path / "v" / "notes.txt").write_text("not a video")
+    assert expand_inputs([str(tmp_path / "v" / "*")]) == sorted(str(v) for v in videos)  # video extensions only
+    assert expand_inputs([str(tmp_path / "**" / "clip0[12].mp4")]) == sorted(str(v) for v in videos[1:])
+    with pytest.raises(FileNotFoundError, match="no video files match"):
+        expand_inputs([str(tmp_path / "v" / "*.mkv")])
+    url = "https://example.com/videos/a.mp4?sig=1"
+    (tmp_path / "list.txt").write_text(f"{url}\nv/{videos[0].name}\n")
+    pq.write_table(pa.table({"id": [1, 2], "path": [f"v/{videos[1].name}", "rtsp://camera/1"]}), tmp_path / "l.parquet")
+    found = expand_inputs([str(tmp_path / "list.txt"), str(tmp_path / "l.parquet"), "http://example.com/b.webm"])
+    assert found == sorted([url, str(videos[0]), str(videos[1]), "rtsp://camera/1", "http://example.com/b.webm"])
+    pq.write_table(pa.table({"path": [1, 2]}), tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match="column 'path' must hold strings"):
+        expand_inputs([str(tmp_path / "bad.parquet")])
+
+
 def test_options_are_checked_before_any_video_is_read(folder, tmp_path, capsys):
     out = tmp_path / "captions.jsonl"
     for options, message in ((["--max-frames", "2"], "--max-frames 2 is below 4, the fewest frames a video is "
@@ -188,13 +208,19 @@ def test_a_store_that_wrote_nothing_leaves_no_file(tmp_path):
     assert read_records(made) == [{"path": "/v.mp4", "error": None}]
 
 
-@pytest.mark.slow
-def test_retry_errors_redoes_only_failed_videos(tmp_path, capsys):
+def retry_inputs(tmp_path: Path) -> tuple[list[Path], Path, Path, Path]:
+    """(videos, late, corrupt, listing): a list of 2 videos, late.mp4 (not there yet) and a corrupt one."""
     videos = write_videos(tmp_path / "v", 2)
     late, corrupt = tmp_path / "v" / "late.mp4", tmp_path / "v" / "corrupt.mp4"
     corrupt.write_bytes(b"not a video " * 50)
     listing = tmp_path / "list.txt"
-    listing.write_text("".join(f"{p}\n" for p in [*videos, late, corrupt]))  # late.mp4 does not exist yet
+    listing.write_text("".join(f"{p}\n" for p in [*videos, late, corrupt]))
+    return videos, late, corrupt, listing
+
+
+@pytest.mark.slow
+def test_retry_errors_redoes_only_failed_videos(tmp_path, capsys):
+    videos, late, corrupt, listing = retry_inputs(tmp_path)
     out = tmp_path / "captions.jsonl"
     command = [str(listing), "--out", str(out), *FAST]
     assert caption.main(command) == 0
