@@ -1,7 +1,8 @@
 """Structured outputs and the thinking budget (mm/constraints.py) on the built-in model: random
 weights, so the grammar alone makes every output valid. Their strings are bounded (`maxLength`) and
 their thinking ended by a budget: random weights close neither by themselves, a property of
-grammar-constrained decoding."""
+grammar-constrained decoding. Random tokens also join bytes into invalid UTF-8, which decodes to more
+characters than the grammar counted, so the bounded strings here are ASCII (`pattern`)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,12 @@ from mm.default_model import default_model_path
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 12},
+        "name": {"type": "string", "maxLength": 12, "pattern": "^[a-z ]{0,12}$"},
         "age": {"type": "integer"},
         "score": {"type": "number"},
         "ok": {"type": "boolean"},
         "color": {"enum": ["red", "green", "blue"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6, "pattern": "^[a-z]{0,6}$"}, "maxItems": 3},
         "place": {"type": "object", "properties": {"x": {"type": "integer"}, "label": {"type": "string", "maxLength": 4}},
                   "required": ["x"], "additionalProperties": False},
     },
