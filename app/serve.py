@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import hmac
 import ipaddress
-import json
 import logging
 import os
 import time
@@ -235,9 +234,9 @@ def _prepare(chat: ChatCompletionRequest, backend: Backend, limits: Limits,
     if (chat.n or 1) > 1 and (chat.tool_choice == "required" or isinstance(chat.tool_choice, NamedToolChoice)):
         raise bad_request("n > 1 with tool_choice required or a named function is not supported", "n")
     vocab = backend.pipeline.model.config.text.vocab_size
-    if any(token >= vocab for token, _ in params.logit_bias):
-        unknown = next(token for token, _ in params.logit_bias if token >= vocab)
-        raise bad_request(f"logit_bias names token {unknown}, beyond the vocabulary of {vocab}", "logit_bias")
+    unknown = [token for token, _ in params.logit_bias if token >= vocab]
+    if unknown:
+        raise bad_request(f"logit_bias names token {unknown[0]}, beyond the vocabulary of {vocab}", "logit_bias")
     thinking, kwargs, tools = template_inputs(chat)
     conversation = build_conversation(chat, limits, tool_note(chat), media)
     job = ChatJob(conversation, params, thinking, kwargs, tools, include_reasoning=chat.include_reasoning is not False,
@@ -285,16 +284,12 @@ async def _sse(chat: ChatCompletionRequest, model: str, record: _Record, generat
     created, rid = shape.now(), record.rid
     with_usage = bool(chat.stream_options and chat.stream_options.include_usage)
 
-    sent = 0  # tokens whose logprobs went out
+    cursor = shape.LogprobsCursor(generation.backend.token_text)
 
     def send(delta: dict[str, Any], finish: str | None = None) -> str:
-        nonlocal sent
         logprobs = None
         if chat.logprobs and generation.answer is not None and (delta or finish):
-            request = generation.answer.request
-            entries = [(t, lp, top) for t, (lp, top) in zip(request.tokens[sent:], request.logprobs[sent:])]
-            sent += len(entries)
-            logprobs = shape.logprobs_content(entries, generation.backend.token_text)
+            logprobs = cursor.next(generation.answer.request)
         return _event(shape.chunk(rid, model, created, delta, finish, with_usage=with_usage, logprobs=logprobs))
 
     item, output = first, None
@@ -334,8 +329,7 @@ def _finished(record: _Record, output: Any, calls: int) -> None:
     record.finish = shape.finish_reason(output, calls)
 
 
-def _event(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+_event = shape.event
 
 
 async def _watch_disconnect(request: Request, generation: Generation) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -105,22 +104,19 @@ async def stream(chat: ChatCompletionRequest, model: str, rid: str, choices: Cho
     """The streamed chunks of all choices (`done(outputs)` once every choice finished)."""
     created = shape.now()
     with_usage = bool(chat.stream_options and chat.stream_options.include_usage)
-    sent = [0] * len(choices.generations)
+    cursors = [shape.LogprobsCursor(decode) for _ in choices.generations]
 
     def send(i: int, delta: dict[str, Any], finish: str | None = None) -> str:
         logprobs = None
         answer = choices.generations[i].answer
         if chat.logprobs and answer is not None and (delta or finish):
-            request = answer.request
-            entries = [(t, lp, top) for t, (lp, top) in zip(request.tokens[sent[i]:], request.logprobs[sent[i]:])]
-            sent[i] += len(entries)
-            logprobs = shape.logprobs_content(entries, decode)
+            logprobs = cursors[i].next(answer.request)
         body = shape.chunk(rid, model, created, delta, finish, with_usage=with_usage, logprobs=logprobs)
         body["choices"][0]["index"] = i
-        return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return shape.event(body)
 
-    outputs: list[Any] = [None] * len(sent)
-    for i in range(len(sent)):
+    outputs: list[Any] = [None] * len(cursors)
+    for i in range(len(cursors)):
         yield send(i, {"role": "assistant", "content": ""})
     async for i, item in choices.items():
         if isinstance(item, str):
@@ -135,6 +131,5 @@ async def stream(chat: ChatCompletionRequest, model: str, rid: str, choices: Cho
             yield send(i, {}, shape.finish_reason(item, choices.streams[i].calls))
     done(outputs)
     if with_usage:
-        body = shape.chunk(rid, model, created, None, usage_=total_usage(outputs), with_usage=True)
-        yield f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        yield shape.event(shape.chunk(rid, model, created, None, usage_=total_usage(outputs), with_usage=True))
     yield "data: [DONE]\n\n"

@@ -7,6 +7,7 @@ deltas joined, so both ways give the same message for the same generated text.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -127,6 +128,24 @@ def chunk(rid: str, model: str, created: int, delta: Delta | None, finish: str |
     if with_usage:
         body["usage"] = usage_
     return body
+
+
+def event(body: dict[str, Any]) -> str:
+    """One server-sent event of a JSON body."""
+    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class LogprobsCursor:
+    """The logprobs of a streamed answer's tokens not yet sent, chunk by chunk."""
+
+    def __init__(self, decode: Callable[[int], str]):
+        self.decode, self.sent = decode, 0
+
+    def next(self, request) -> dict[str, Any]:
+        """The `logprobs` of the engine request's tokens since the last call."""
+        entries = [(t, lp, top) for t, (lp, top) in zip(request.tokens[self.sent :], request.logprobs[self.sent :])]
+        self.sent += len(entries)
+        return logprobs_content(entries, self.decode)
 
 
 def now() -> int:
