@@ -163,10 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         todo = pending(paths, store, args.retry_errors)
         print(plan_line(paths, store, args, len(todo)), file=sys.stderr)
         if not todo:
+            store.finish()
             return 0
         pipeline, job = checked(lambda: load_job(args, model_path))
         with tqdm(total=len(todo), unit="video", dynamic_ncols=True, smoothing=0.1) as bar:
             errors = run(pipeline, todo, store, job, batch_size=args.batch_size, workers=args.workers, progress=bar)
+        store.finish()
     print(f"done: {len(todo) - errors} captioned, {errors} errors, written to {args.out}", file=sys.stderr)
     return 0
 

@@ -59,7 +59,8 @@ class CaptionStore:
     without its newline (a torn write) is cut off, with a note on stderr. Any other line that is
     not a JSON object with a "path" means the file is not ours: ValueError naming the line. The file
     is locked (flock) while open, so a second captioner on the same output fails instead of interleaving.
-    A file this store made and never wrote to (a run refused before its first video) is removed on close.
+    A file this store made and never wrote to (a run refused before its first video) is removed on close,
+    unless `finish()` said the run completed (a shard with nothing to caption keeps its empty file).
     """
 
     def __init__(self, path: str | Path):
@@ -87,6 +88,10 @@ class CaptionStore:
             self.failed.discard(record["path"])
         elif record["path"] not in self.captioned:
             self.failed.add(record["path"])
+
+    def finish(self) -> None:
+        """The run completed: keep the file on close even when it is empty (its shard had no videos)."""
+        self._created = False
 
     def close(self) -> None:
         if self._created and self._locked and not self._file.closed and self._file.tell() == 0:

@@ -70,9 +70,9 @@ def test_shards_cover_every_video_once(folder, tmp_path):
     outs = [tmp_path / f"shard{i}.jsonl" for i in range(2)]
     for i, out in enumerate(outs):
         caption.main([str(folder), "--out", str(out), "--shard", f"{i}/2", "--batch-size", "2", *FAST])
-    # each shard holds exactly the videos its hash gives it: one of them may be empty, as the split
-    # hashes the temporary folder's path too (all 8 land in one shard in ~1 of 128 runs);
-    # test_shard_assignment_is_stable_and_complete checks the balance on fixed paths
+    # each shard holds exactly the videos its hash gives it: one of them may be empty (its file still
+    # written), as the split hashes the temporary folder's path too (all 8 land in one shard in ~1 of
+    # 128 runs); test_shard_assignment_is_stable_and_complete checks the balance on fixed paths
     shards = [{r["path"] for r in read_records(out)} if out.read_text() else set() for out in outs]
     videos = expand_inputs([str(folder)])
     for i in range(2):
@@ -80,6 +80,16 @@ def test_shards_cover_every_video_once(folder, tmp_path):
     assert not shards[0] & shards[1]
     assert shards[0] | shards[1] == set(videos)
     assert len(shards[0] | shards[1]) == 8
+
+
+def test_a_shard_with_no_videos_still_writes_its_output(tmp_path, capsys):
+    (tmp_path / "one.mp4").write_bytes(b"not decoded: its shard is the other one")
+    video = expand_inputs([str(tmp_path)])[0]
+    other = 1 - next(i for i in range(2) if in_shard(video, i, 2))
+    out = tmp_path / "out" / f"shard{other}.jsonl"
+    assert caption.main([str(tmp_path / "one.mp4"), "--out", str(out), "--shard", f"{other}/2"]) == 0
+    assert "0 videos in shard" in capsys.readouterr().err
+    assert out.exists() and out.read_text() == ""  # a completed shard is a file, empty or not
 
 
 def test_shard_assignment_is_stable_and_complete():
