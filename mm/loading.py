@@ -21,6 +21,7 @@ from lm.weights import lm_param_name
 from vision import load_vision_weights
 
 from .config import ModelConfig, read_config_json
+from .gguf_loading import is_gguf, load_gguf_model
 from .model import VLModel
 
 MTP_PREFIX = "mtp."  # multi-token-prediction head: in real checkpoints, not used here
@@ -32,7 +33,7 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               weights: str = "auto", compute: str = "auto") -> VLModel:
+               weights: str = "auto", compute: str = "auto", dequantize_unsupported: bool = False) -> VLModel:
     """Load `config.json` and the safetensors weights (single file or shards) of a Qwen3.5 checkpoint.
 
     Tensors are streamed one at a time into a model allocated once on `device`, each converted to
@@ -47,7 +48,13 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     `compute` ("auto", "fp32", "bf16", "int8"; lm/kernels/compute.py) is how prefill products and
     the vision tower multiply: "fp32" is the exact path; "auto" keeps float32 weights exact and
     gives the others bf16 where the CPU has AMX tiles.
+
+    A `.gguf` file (llama.cpp's qwen35 / qwen35moe) loads text-only through mm.gguf_loading;
+    `dequantize_unsupported` lets it dequantize tensor types we do not store (K-quants, ...).
     """
+    if is_gguf(path):
+        return load_gguf_model(path, device=device, dtype=dtype, weights=weights, compute=compute,
+                               dequantize_unsupported=dequantize_unsupported)
     check_compute(compute)  # a bad value fails before anything is read
     path = Path(path)
     raw = read_config_json(path)

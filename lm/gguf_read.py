@@ -1,0 +1,151 @@
+"""A llama.cpp GGUF file of a Qwen3.5 / Qwen3.6 language model (`qwen35`, `qwen35moe`), read through
+the `gguf` package's memory map (the file is never copied whole; each tensor is read as it is used).
+
+`GGUFFile(path)` checks the architecture, gives the hyper-parameters as a Hugging Face text config
+dict (`hf_config`), and each tensor as float32 (`float_tensor`) or, for Q8_0 / Q4_0, as its GGUF
+blocks (`blocks`, uint8 [..., N, K / 32 * bytes], rows as in the file). Tensor types other than
+F32, F16, BF16, Q8_0 and Q4_0 are refused by name unless `dequantize_unsupported`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .weights import WeightError
+
+ARCHITECTURES = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+BLOCK_TYPES = ("Q8_0", "Q4_0")  # our int8 / int4 storage (lm/formats/blocks.py)
+
+
+class GGUFFile:
+    """Name -> tensor access over one GGUF file (module docstring)."""
+
+    def __init__(self, path: str | Path, *, dequantize_unsupported: bool = False):
+        import gguf
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {self.path}")
+        try:
+            self.reader = gguf.GGUFReader(self.path, "r")
+        except Exception as e:  # the package raises ValueError, IndexError, ... on a damaged file
+            raise WeightError(f"cannot read {self.path}: truncated or not a GGUF file ({type(e).__name__}: {e})") from e
+        self.arch = self.value("general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise WeightError(f"{self.path}: GGUF architecture {self.arch!r} is not supported; this pipeline reads "
+                              f"{', '.join(ARCHITECTURES)} (llama.cpp's Qwen3.5 / Qwen3.6 files)")
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self._check_types(dequantize_unsupported)
+
+    def _check_types(self, dequantize_unsupported: bool) -> None:
+        other = {n: t.tensor_type.name for n, t in self.tensors.items()
+                 if t.tensor_type.name not in FLOAT_TYPES + BLOCK_TYPES}
+        if other and not dequantize_unsupported:
+            shown = ", ".join(f"{n} ({t})" for n, t in list(other.items())[:8])
+            raise WeightError(f"{self.path}: {len(other)} tensor(s) in a type this pipeline does not read: {shown}; "
+                              f"it reads {', '.join(FLOAT_TYPES + BLOCK_TYPES)} (pass dequantize_unsupported=True / "
+                              "--dequantize-unsupported to dequantize the others to float)")
+        if other:
+            print(f"[qwen35] {self.path.name}: dequantizing {len(other)} tensor(s) of type(s) "
+                  f"{', '.join(sorted(set(other.values())))} to float (dequantize_unsupported)", file=sys.stderr)
+
+    def value(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        return field.contents()
+
+    def require(self, key: str):
+        value = self.value(key)
+        if value is None:
+            raise WeightError(f"{self.path}: GGUF metadata has no {key!r}")
+        return value
+
+    def type_of(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The logical shape in PyTorch order ([..., N, K])."""
+        return tuple(int(d) for d in reversed(self.tensors[name].shape))
+
+    def float_tensor(self, name: str) -> torch.Tensor:
+        """The tensor in float32, [..., N, K] (F16 / BF16 / Q8_0 / Q4_0 exactly; other types
+        through `gguf.quants.dequantize`)."""
+        import gguf
+
+        t = self.tensors[name]
+        kind = t.tensor_type.name
+        if kind == "F32":
+            out = np.array(t.data, dtype=np.float32)
+        elif kind == "F16":
+            out = np.array(t.data, dtype=np.float32)
+        elif kind == "BF16":
+            raw = torch.from_numpy(np.array(t.data).view(np.uint16).astype(np.int16))
+            return raw.view(torch.bfloat16).float().reshape(self.shape(name))
+        else:
+            out = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
+        return torch.from_numpy(out).reshape(self.shape(name))
+
+    def blocks(self, name: str) -> torch.Tensor:
+        """A Q8_0 / Q4_0 tensor's GGUF blocks, uint8 [..., N, K / 32 * bytes], rows as in the file."""
+        t = self.tensors[name]
+        if t.tensor_type.name not in BLOCK_TYPES:
+            raise ValueError(f"{name} is {t.tensor_type.name}, not a block type")
+        shape = self.shape(name)
+        return torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(*shape[:-1], -1)
+
+    def hf_config(self) -> dict:
+        """The hyper-parameters as a Hugging Face text config (`lm.config.TextConfig.from_hf`)."""
+        a = self.arch
+        get, need = (lambda k, d=None: self.value(f"{a}.{k}", d)), (lambda k: self.require(f"{a}.{k}"))
+        n_layers = int(need("block_count")) - int(get("nextn_predict_layers", 0) or 0)
+        recurrent = get("attention.recurrent_layers")
+        if recurrent is not None:
+            types = ["linear_attention" if r else "full_attention" for r in list(recurrent)[:n_layers]]
+        else:
+            interval = int(get("full_attention_interval", 4))
+            types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+        head_dim = int(need("attention.key_length"))
+        k_heads, v_heads = int(need("ssm.group_count")), int(need("ssm.time_step_rank"))
+        section = [int(s) for s in need("rope.dimension_sections")]
+        config = dict(
+            model_type=ARCHITECTURES[a],
+            vocab_size=self._vocab_size(),
+            hidden_size=int(need("embedding_length")),
+            num_hidden_layers=n_layers,
+            layer_types=types,
+            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+            num_attention_heads=int(need("attention.head_count")),
+            num_key_value_heads=int(need("attention.head_count_kv")),
+            head_dim=head_dim,
+            linear_num_key_heads=k_heads,
+            linear_num_value_heads=v_heads,
+            linear_key_head_dim=int(need("ssm.state_size")),
+            linear_value_head_dim=int(need("ssm.inner_size")) // v_heads,
+            linear_conv_kernel_dim=int(need("ssm.conv_kernel")),
+            max_position_embeddings=int(get("context_length", 262144)),
+            tie_word_embeddings="output.weight" not in self.tensors,
+            rope_parameters=dict(rope_type="default", rope_theta=float(need("rope.freq_base")),
+                                 partial_rotary_factor=int(need("rope.dimension_count")) / head_dim,
+                                 mrope_section=section[:3], mrope_interleaved=True),
+        )
+        eos = self.value("tokenizer.ggml.eos_token_id")
+        if eos is not None:
+            config["eos_token_id"] = int(eos)
+        if a == "qwen35moe":
+            config.update(num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
+                          moe_intermediate_size=int(need("expert_feed_forward_length")),
+                          shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0)))
+        else:
+            config["intermediate_size"] = int(need("feed_forward_length"))
+        return config
+
+    def _vocab_size(self) -> int:
+        if "token_embd.weight" not in self.tensors:
+            raise WeightError(f"{self.path}: no token_embd.weight tensor")
+        return self.shape("token_embd.weight")[0]

@@ -1,0 +1,63 @@
+"""`load_model` for a llama.cpp GGUF file (`qwen35` / `qwen35moe`): the language model only.
+
+The hyper-parameters come from the GGUF metadata (lm/gguf_read.py), the tensors through its memory
+map with the converter's transforms undone (lm/gguf_names.py). A GGUF model file holds no vision
+tower (llama.cpp keeps it in a separate mmproj file, not read yet): the model is text-only, said once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lm.config import TextConfig
+from lm.gguf_names import load_gguf_lm_weights, plan
+from lm.gguf_read import GGUFFile
+from lm.kernels import bf16_groups, release_openmp_workers
+from lm.kernels.compute import check as check_compute
+from lm.kernels.compute import say_once
+from lm.storage import compact
+
+from .config import ModelConfig
+from .model import VLModel
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether `path` names a GGUF file (by its suffix)."""
+    return Path(path).suffix.lower() == ".gguf"
+
+
+def gguf_config(file: GGUFFile) -> ModelConfig:
+    """The text-only model config of a GGUF file."""
+    raw = file.hf_config()
+    return ModelConfig(model_type=raw["model_type"], text=TextConfig.from_hf(raw), vision=None)
+
+
+def load_gguf_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                    weights: str = "auto", compute: str = "auto", dequantize_unsupported: bool = False) -> VLModel:
+    """A text-only `VLModel` from a GGUF file (see `mm.load_model`). `weights="auto"` keeps each
+    tensor's own format where ours can hold it: Q8_0 -> int8, Q4_0 -> int4 (the same bits, rows
+    regrouped), BF16 -> bf16, F32 / F16 -> fp32 (lm.gguf_names.plan)."""
+    from .loading import allocate, default_dtype, set_compute
+
+    check_compute(compute)
+    file = GGUFFile(path, dequantize_unsupported=dequantize_unsupported)
+    config = gguf_config(file)
+    dtype = dtype or default_dtype(device)
+    say_once("gguf-text-only", f"{Path(path).name}: no mmproj file given: the model is text-only (no images or videos)")
+    with torch.device("meta"):
+        model = VLModel(config)
+    model = model.to(dtype=dtype)
+    if compact(device, dtype):
+        formats = plan(model.lm, file, weights, groups=bf16_groups())
+    elif weights != "auto":
+        raise ValueError(f"weights={weights!r} is for CPU with float32 compute; on {device} in {dtype} use weights='auto'")
+    else:
+        formats = {}
+    model = allocate(model, formats, device)
+    load_gguf_lm_weights(model.lm, file, formats)
+    set_compute(compute, model)
+    model.generation_config = {}
+    release_openmp_workers()
+    return model.eval().requires_grad_(False)
