@@ -30,7 +30,7 @@ from tqdm import tqdm
 from mm import ModelConfig
 from preprocess.video import MIN_FRAMES
 
-from .caption_inputs import expand_inputs, in_shard, parse_shard
+from .caption_inputs import expand_inputs, in_shard, parse_shard, read_schema
 from .caption_run import load_job, run
 from .caption_store import CaptionStore, pending
 from .loading import add_model_arguments, check_model, device_problem
@@ -65,6 +65,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="sampling preset (default: the checkpoint's generation_config.json)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: not seeded)")
     parser.add_argument("--thinking", action="store_true", help="let the model think before captioning")
+    parser.add_argument("--thinking-budget", type=int, metavar="N", default=None,
+                        help="with --thinking: at most N thinking tokens, then the thinking is closed and the "
+                             "caption follows (default: no limit)")  # fmt: skip
+    parser.add_argument("--json-schema", metavar="FILE", default=None,
+                        help="a JSON schema file: each caption is generated to follow it (compact JSON, "
+                             "grammar-constrained) and recorded as the parsed object; an output that does not "
+                             "parse and validate (e.g. cut by --max-new-tokens) becomes an error record")  # fmt: skip
     parser.add_argument("--shard", default="0/1", help="i/n: only shard i of n, split by a hash of the path" + default)
     parser.add_argument("--retry-errors", action="store_true",
                         help="caption again the videos that have only error records in --out (captioned ones "
@@ -131,6 +138,13 @@ def _fill_ray_defaults(args: argparse.Namespace) -> None:
 def _option_problems(args: argparse.Namespace) -> list[str]:
     problems = [f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
                 for name in ("batch_size", "workers", "max_new_tokens") if getattr(args, name) < 1]  # fmt: skip
+    if args.thinking_budget is not None and (args.thinking_budget < 0 or not args.thinking):
+        problems.append(f"--thinking-budget {args.thinking_budget} needs --thinking and a value >= 0")
+    if args.json_schema is not None:
+        try:
+            args.json_schema = read_schema(args.json_schema)
+        except ValueError as error:
+            problems.append(str(error))
     if args.max_frames < MIN_FRAMES:
         problems.append(f"--max-frames {args.max_frames} is below {MIN_FRAMES}, the fewest frames a video is "
                         f"sampled to; use --max-frames {MIN_FRAMES} or more")  # fmt: skip

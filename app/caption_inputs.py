@@ -120,3 +120,21 @@ def in_shard(path: str, index: int, count: int) -> bool:
     video's shard does not depend on which other files exist or on the order they were listed."""
     digest = hashlib.sha1(path.encode("utf-8", "surrogateescape")).digest()
     return int.from_bytes(digest[:8], "big") % count == index
+
+
+def read_schema(path: str) -> dict:
+    """The JSON schema in file `path` (for --json-schema), checked against its meta-schema; a
+    ValueError naming the file and the problem otherwise."""
+    import jsonschema
+
+    try:
+        schema = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"--json-schema {path}: {error}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema {path}: a schema is a JSON object, got {type(schema).__name__}")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as error:
+        raise ValueError(f"--json-schema {path}: not a valid JSON schema: {error.message}") from None
+    return schema

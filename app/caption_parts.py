@@ -36,6 +36,11 @@ RECORD_SCHEMA = pa.schema([  # the fields of app.caption_run's caption_record an
 ])  # fmt: skip
 
 
+def json_text(value: Any) -> str:
+    """A --json-schema caption as compact JSON text (how Arrow blocks and Parquet parts carry it)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 def part_name(run: str, ids: list[str], format: str) -> str:
     """`part-<run>-<digest>.<ext>`: the digest is of the sorted ids, so a block has one name in a run."""
     digest = hashlib.sha1("\n".join(sorted(ids)).encode("utf-8", "surrogateescape")).hexdigest()[:16]
@@ -109,12 +114,17 @@ class PartsFolder:
 class PartsSink(Datasink):
     """Writes each write task's blocks as one part file of `folder`; counts captions and errors."""
 
-    def __init__(self, folder: PartsFolder, format: str, run_id: str):
+    def __init__(self, folder: PartsFolder, format: str, run_id: str, json_captions: bool = False):
+        """`json_captions`: the captions are JSON texts of --json-schema objects, written to JSONL parts as
+        the objects (as the single-process captioner does) and to Parquet parts as the texts."""
         self.folder, self.format, self.run_id = folder, format, run_id
+        self.json_captions = json_captions and format == "jsonl"
         self.captioned = self.errors = 0
 
     def write(self, blocks, ctx) -> tuple[int, int]:
         records = [r for block in blocks for r in BlockAccessor.for_block(block).to_arrow().to_pylist()]
+        if self.json_captions:
+            records = [dict(r, caption=json.loads(r["caption"])) if r["error"] is None else r for r in records]
         if records:
             self.folder.write(part_name(self.run_id, [r["path"] for r in records], self.format), records)
         errors = sum(r["error"] is not None for r in records)

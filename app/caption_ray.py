@@ -36,7 +36,7 @@ from ray.data import ActorPoolStrategy
 from tqdm import tqdm
 
 from .caption import checked, plan_line
-from .caption_parts import RECORD_SCHEMA, PartsFolder, PartsSink
+from .caption_parts import RECORD_SCHEMA, PartsFolder, PartsSink, json_text
 from .caption_run import load_job, run
 from .caption_store import pending
 
@@ -54,6 +54,8 @@ class CaptionActor:
         records = Records()
         run(self.pipeline, batch.column("path").to_pylist(), records, self.job, batch_size=self.args.batch_size,
             workers=self.args.workers, progress=tqdm(disable=True))  # fmt: skip
+        if self.args.json_schema is not None:  # --json-schema captions are objects: carried as their JSON text
+            records = [dict(r, caption=json_text(r["caption"])) if r["error"] is None else r for r in records]
         return pa.Table.from_pylist(records, schema=RECORD_SCHEMA)
 
 
@@ -96,7 +98,7 @@ def caption(args: argparse.Namespace, todo: list[str], folder: PartsFolder, *, a
                              max_concurrent_calls_per_actor=CONCURRENT_BLOCKS, enable_true_multi_threading=True)
     data = data.map_batches(CaptionActor, fn_constructor_args=(args,), batch_size=per_task, batch_format="pyarrow",
                             compute=pool, num_cpus=args.cpus_per_actor, num_gpus=args.gpus_per_actor or None)
-    sink = PartsSink(folder, args.format, run_id)
+    sink = PartsSink(folder, args.format, run_id, json_captions=args.json_schema is not None)
     data.write_datasink(sink, ray_remote_args={"num_cpus": 0})  # I/O only: never waits for a core the actors hold
     return sink
 

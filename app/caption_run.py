@@ -13,6 +13,7 @@ being pickled and copied between processes.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -61,7 +62,9 @@ def load_job(args: argparse.Namespace, model: str | Path | None) -> tuple[Pipeli
     engine options, and the job, of the captioner's command line (`python -m app.caption`'s arguments)."""
     pipeline = load_pipeline(model, device=args.device, dtype=args.dtype, weights=args.weights,
                              engine_options=engine_options(args), compute=args.compute)  # fmt: skip
-    params = pipeline.default_params(args.preset, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    params = pipeline.default_params(args.preset, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                                     json_schema=args.json_schema, thinking_budget=args.thinking_budget)  # fmt: skip
+    pipeline.constraint_rule(params, args.thinking)  # an unsupported schema fails here, not once per video
     return pipeline, CaptionJob(args.prompt, params, args.thinking, args.fps, args.max_frames)
 
 
@@ -99,13 +102,28 @@ def conversation(item: Decoded, job: CaptionJob) -> list[dict[str, Any]]:
     return [{"role": "user", "content": [{"type": "video", "video": item.clip}, {"type": "text", "text": job.prompt}]}]
 
 
-def caption_record(item: Decoded, caption: str, thinking: str, finish_reason: str, tokens: int,
+def caption_record(item: Decoded, caption: Any, thinking: str, finish_reason: str, tokens: int,
                    seconds: float) -> dict[str, Any]:  # fmt: skip
     clip = item.clip
     return dict(path=item.path, caption=caption, thinking=thinking, frames=len(clip),
                 timestamps=[round(float(t), 3) for t in clip.timestamps], duration=round(float(clip.duration), 3),
                 error=None, finish_reason=finish_reason, completion_tokens=tokens,
                 seconds=round(seconds, 3))  # fmt: skip
+
+
+def parsed_caption(text: str, schema: str) -> Any:
+    """The caption `text` parsed as JSON and validated against `schema` (JSON text); a ValueError
+    saying why not (the grammar only fails this when generation was cut, e.g. by max_new_tokens)."""
+    import jsonschema
+
+    try:
+        value = json.loads(text)
+        jsonschema.validate(value, json.loads(schema))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"the caption is not complete JSON for --json-schema: {error}") from None
+    except jsonschema.ValidationError as error:
+        raise ValueError(f"the caption does not follow --json-schema: {error.message}") from None
+    return value
 
 
 def error_record(item: Decoded, error: str) -> dict[str, Any]:
@@ -132,7 +150,13 @@ def run(pipeline: Pipeline, paths: list[str], store: RecordSink, job: CaptionJob
             output = answer.output()
         except (ValueError, RuntimeError) as error:  # e.g. the vision tower refused the frames
             return emit(error_record(item, f"{type(error).__name__}: {error}"))
-        emit(caption_record(item, output.text, output.thinking, output.finish_reason, output.completion_tokens,
+        caption = output.text
+        if job.params.json_schema is not None:
+            try:
+                caption = parsed_caption(output.text, job.params.json_schema)
+            except ValueError as error:
+                return emit(error_record(item, f"{error} (finish_reason {output.finish_reason})"))
+        emit(caption_record(item, caption, output.thinking, output.finish_reason, output.completion_tokens,
                             item.seconds + output.timings["total"]))  # fmt: skip
 
     def drain(below: int) -> None:

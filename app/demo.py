@@ -29,14 +29,15 @@ RANDOM_MODEL_THINKING_NOTICE = (
 
 def build_demo(pipeline: Pipeline, *, notice: str | None = None, title: str = "Qwen3.5 / Qwen3.6 chat",
                max_new_tokens: int = 1024, enable_thinking: bool = True, concurrency_limit: int | None = None,
-               queue_size: int = 32) -> gr.Blocks:  # fmt: skip
+               queue_size: int = 32, thinking_budget: int | None = None) -> gr.Blocks:  # fmt: skip
     """The demo's Blocks, queued (at most `concurrency_limit` generations at a time, default: the
     engine's slots, all decoded in one batch; `queue_size` waiting). Later chat turns reuse the
     earlier ones through the engine's prefix cache.
 
     notice: a warning shown above the chat (e.g. RANDOM_WEIGHTS_NOTICE). The chat event's inputs, in
     order: message ({"text", "files"}), history, preset, temperature, top_p, top_k, max_new_tokens,
-    presence_penalty, seed, thinking, fps, max_frames; outputs: the textbox and the history.
+    presence_penalty, seed, thinking, fps, max_frames, thinking_budget (-1: no limit; initially
+    `thinking_budget`); outputs: the textbox and the history.
     """
     defaults = pipeline.default_params()
     with gr.Blocks(title=title, analytics_enabled=False) as demo:
@@ -55,7 +56,8 @@ def build_demo(pipeline: Pipeline, *, notice: str | None = None, title: str = "Q
                     stop = gr.Button("Stop", variant="stop", elem_id="stop")
                     clear = gr.Button("Clear", elem_id="clear")
             with gr.Column(scale=1):
-                controls = _controls(defaults, max_new_tokens, pipeline.max_context, enable_thinking)
+                controls = _controls(defaults, max_new_tokens, pipeline.max_context, enable_thinking,
+                                     thinking_budget)  # fmt: skip
         chat = textbox.submit(_responder(pipeline), [textbox, chatbot, *controls.values()], [textbox, chatbot],
                               api_name=API_NAME)  # fmt: skip
         # the cancelled reply sends nothing more: its pending thinking block (a spinner) is closed here
@@ -67,9 +69,9 @@ def build_demo(pipeline: Pipeline, *, notice: str | None = None, title: str = "Q
     return demo.queue(default_concurrency_limit=limit, max_size=queue_size)
 
 
-def _controls(defaults: Any, max_new_tokens: int, max_context: int,
-              enable_thinking: bool) -> dict[str, gr.components.Component]:  # fmt: skip
-    """The settings column; keys in the chat event's input order."""
+def _controls(defaults: Any, max_new_tokens: int, max_context: int, enable_thinking: bool,
+              thinking_budget: int | None) -> dict[str, gr.components.Component]:  # fmt: skip
+    """The settings column; keys in the chat event's input order (the budget last: added after the others)."""
     with gr.Accordion("Generation", open=True):
         controls = dict(
             preset=gr.Dropdown([MODEL_DEFAULT, *PRESETS], value=MODEL_DEFAULT, label="Preset"),
@@ -82,9 +84,12 @@ def _controls(defaults: Any, max_new_tokens: int, max_context: int,
             seed=gr.Number(-1, precision=0, label="Seed (-1 = random)"),
             thinking=gr.Checkbox(value=enable_thinking, label="Thinking", elem_id="thinking"),
         )
+        budget = gr.Number(-1 if thinking_budget is None else thinking_budget, precision=0, minimum=-1,
+                           label="Thinking budget in tokens (-1 = no limit)", elem_id="thinking_budget")  # fmt: skip
     with gr.Accordion("Video", open=True):
         controls["fps"] = gr.Slider(0.25, 8.0, value=2.0, step=0.25, label="Frames per second")
         controls["max_frames"] = gr.Slider(4, 768, value=64, step=2, label="Max frames")
+    controls["thinking_budget"] = budget
     return controls
 
 
@@ -100,7 +105,7 @@ def _preset_values(preset: str) -> tuple[Any, ...]:
 def _responder(pipeline: Pipeline):
     def chat(message: dict | None, history: list | None, preset: str, temperature: float, top_p: float,
              top_k: float, max_new_tokens: float, presence_penalty: float, seed: float | None, thinking: bool,
-             fps: float, max_frames: float):  # fmt: skip
+             fps: float, max_frames: float, thinking_budget: float | None = None):  # fmt: skip
         """Answer the message given the history; yields (textbox, history) as the answer streams."""
         text = ((message or {}).get("text") or "").strip()
         files = [f if isinstance(f, str) else f["path"] for f in (message or {}).get("files") or []]
@@ -112,7 +117,7 @@ def _responder(pipeline: Pipeline):
         yield gr.MultimodalTextbox(value=None), history
         try:
             params = sampling_params(pipeline, preset, temperature, top_p, top_k, max_new_tokens, presence_penalty,
-                                     seed)  # fmt: skip
+                                     seed, thinking_budget)  # fmt: skip
         except ValueError as error:
             yield gr.skip(), history + [error_message(error)]
             return
@@ -141,7 +146,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="generations running at once (default: --max-batch, all in one batch)")
     parser.add_argument("--max-file-size", default=MAX_FILE_SIZE, help="upload size limit, e.g. 200mb")
     parser.add_argument("--max-new-tokens", type=int, default=1024, help="initial max new tokens")
-    return parser.parse_args(argv)
+    parser.add_argument("--thinking-budget", type=int, default=None, metavar="N",
+                        help="initial thinking budget: at most N thinking tokens, then the thinking is closed and "
+                             "the answer follows (default: no limit; the page can change it)")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.thinking_budget is not None and args.thinking_budget < 0:
+        parser.error(f"--thinking-budget must be >= 0, got {args.thinking_budget}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: {error}") from None
     title = f"Qwen3.5 / Qwen3.6 chat: {Path(path).name}"
     demo = build_demo(pipeline, title=title, max_new_tokens=args.max_new_tokens, concurrency_limit=args.concurrency,
-                      **first_impression(args.model))  # fmt: skip
+                      thinking_budget=args.thinking_budget, **first_impression(args.model))  # fmt: skip
     launch(demo, host=args.host, port=args.port, share=args.share, max_file_size=args.max_file_size)
     demo.block_thread()
 

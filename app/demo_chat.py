@@ -169,10 +169,13 @@ def stream_reply(pipeline: Pipeline, history: list[Message], params: SamplingPar
 
 
 def sampling_params(pipeline: Pipeline, preset: str, temperature: float, top_p: float, top_k: float,
-                    max_new_tokens: float, presence_penalty: float, seed: float | None) -> SamplingParams:  # fmt: skip
-    """SamplingParams from the demo's controls; a negative or empty seed means unseeded."""
+                    max_new_tokens: float, presence_penalty: float, seed: float | None,
+                    thinking_budget: float | None = None) -> SamplingParams:  # fmt: skip
+    """SamplingParams from the demo's controls; a negative or empty seed means unseeded, a negative or
+    empty thinking budget no limit."""
     return pipeline.default_params(
         None if preset == MODEL_DEFAULT else preset, temperature=float(temperature), top_p=float(top_p),
         top_k=int(top_k), max_new_tokens=int(max_new_tokens), presence_penalty=float(presence_penalty),
         seed=None if seed is None or seed < 0 else int(seed),
+        thinking_budget=None if thinking_budget is None or thinking_budget < 0 else int(thinking_budget),
     )  # fmt: skip

@@ -26,6 +26,7 @@ from app import caption
 from app.caption_parts import RECORD_SCHEMA, PartsFolder, part_name
 from tests.app.conftest import write_videos
 from tests.app.test_caption import FAST, read_records, retry_inputs
+from tests.app.test_caption_schema import SCHEMA, VIDEO
 
 REPO = Path(__file__).resolve().parents[2]
 ACTOR_TITLE = "MapBatches(CaptionActor)"  # in the process title of the pool's actors
@@ -125,6 +126,21 @@ def test_ray_output_equals_the_single_process_captioner(folder, tmp_path, capsys
     assert all(name.endswith(".parquet") for name in os.listdir(out))
     assert caption.main([*options, "--out", str(out), "--ray"]) == 0  # all done: Ray is not even started
     assert "6 already captioned in" in capsys.readouterr().err
+
+
+@on_cluster
+def test_json_schema_captions_on_ray_equal_the_single_process_ones(folder, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    options = [str(folder), "--json-schema", str(schema), *VIDEO, "--max-new-tokens", "160", "--batch-size", "2"]
+    assert caption.main([*options, "--out", str(tmp_path / "single.jsonl")]) == 0
+    for format in ("jsonl", "parquet"):
+        out = tmp_path / format
+        assert caption.main([*options, "--out", str(out), "--ray", "--actors", "2", "--format", format]) == 0
+        single, parts = strip_seconds(read_records(tmp_path / "single.jsonl")), strip_seconds(part_records(out))
+        if format == "parquet":  # Parquet's caption column holds the objects' JSON text
+            parts = {p: dict(r, caption=r["caption"] and json.loads(r["caption"])) for p, r in parts.items()}
+        assert parts == single and sum(isinstance(r["caption"], dict) for r in single.values()) == 6
 
 
 def actor_pids() -> list[int]:

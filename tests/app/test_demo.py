@@ -21,8 +21,9 @@ pytestmark = pytest.mark.subprocess  # every test talks to the demo served in th
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]  # fmt: skip
-# preset, temperature, top_p, top_k, max_new_tokens, presence_penalty, seed, thinking, fps, max_frames
-CONTROLS = ["greedy", 0.0, 1.0, 0, 10, 0.0, -1, False, 4.0, 8]
+# preset, temperature, top_p, top_k, max_new_tokens, presence_penalty, seed, thinking, fps, max_frames,
+# thinking_budget
+CONTROLS = ["greedy", 0.0, 1.0, 0, 10, 0.0, -1, False, 4.0, 8, -1]
 
 
 def free_port() -> int:
@@ -100,6 +101,12 @@ def test_image_video_and_thinking_turns(client, media):
     assert thought["metadata"]["title"] == THINKING_TITLE and "status" not in thought["metadata"]
     assert thought["metadata"]["log"] == UNFINISHED_LOG and texts(thought)
     assert any(u[1]["metadata"]["status"] == "pending" for u in updates if len(u) > 1)
+
+    budget = CONTROLS[:4] + [60] + CONTROLS[5:7] + [True] + CONTROLS[8:10] + [3]
+    history, _ = chat(client, "Think briefly.", controls=budget)
+    thought, answer = history[1:]  # the budget closed the thinking: an answer follows it
+    assert thought["metadata"]["title"] == THINKING_TITLE and thought["metadata"].get("log") != UNFINISHED_LOG
+    assert answer["role"] == "assistant" and texts(answer) and not answer["metadata"]
 
 
 def test_errors_appear_in_the_chat(client, media):
