@@ -14,6 +14,8 @@ from lm.kernels.build import prebuild
 from lm.serving import EngineConfig
 from lm.serving.config import MAX_LEN_CAP
 from mm import ModelConfig, Pipeline
+from lm.gguf_read import GGUFFile
+from mm.gguf_loading import gguf_config, is_gguf
 from mm.tokenizer_check import check_tokenizer_files
 
 from mm.default_model import RANDOM_WEIGHTS_NOTICE, default_model_path
@@ -22,11 +24,15 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def resolve_model(model: str | Path | None) -> Path:
-    """The checkpoint directory to load: `model`, or the built-in default model (announced on stderr)."""
+    """The checkpoint directory (or GGUF file) to load: `model`, or the built-in default model (announced on stderr)."""
     if model is None:
         print(f"WARNING: {RANDOM_WEIGHTS_NOTICE}", file=sys.stderr, flush=True)
         return default_model_path()
     path = Path(model).expanduser()
+    if is_gguf(path):  # a llama.cpp GGUF file (text-only)
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF model file not found: {path}")
+        return path
     if not path.is_dir():
         raise FileNotFoundError(f"model checkpoint directory not found: {path}")
     if not (path / "config.json").is_file():
@@ -39,16 +45,20 @@ def check_model(model: str | Path | None) -> Path:
     names a model type this pipeline runs, and the tokenizer files are there. Front ends call it
     before they touch any input."""
     path = resolve_model(model)
+    if is_gguf(path):  # its metadata: the architecture, the config and the tokenizer (types: at load)
+        gguf_config(GGUFFile(path, dequantize_unsupported=True, quiet=True))
+        return path
     ModelConfig.from_pretrained(path)
     check_tokenizer_files(path)
     return path
 
 
 def load_pipeline(model: str | Path | None, *, device: str = "cpu", dtype: torch.dtype | str | None = None,
-                  weights: str = "auto", engine_options: dict | None = None, compute: str = "auto") -> Pipeline:
+                  weights: str = "auto", engine_options: dict | None = None, compute: str = "auto",
+                  dequantize_unsupported: bool = False) -> Pipeline:
     """`mm.Pipeline` for a checkpoint directory (None: the built-in random-weights model); `weights`
     the storage format of the large weights and `compute` how prefill and the vision tower multiply
-    (see `mm.load_model`); `engine_options` those of its
+    (see `mm.load_model`; `dequantize_unsupported` for a GGUF file); `engine_options` those of its
     serving engine (see `engine_options`). On CPU the C++ kernels are built (first time, announced)
     or loaded first, so no request waits for a build."""
     if isinstance(dtype, str):
@@ -57,7 +67,7 @@ def load_pipeline(model: str | Path | None, *, device: str = "cpu", dtype: torch
     if torch.device(device).type == "cpu":
         prebuild()
     return Pipeline.from_pretrained(path, device=device, dtype=dtype, weights=weights, engine_options=engine_options,
-                                    compute=compute)
+                                    compute=compute, dequantize_unsupported=dequantize_unsupported)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -94,7 +104,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """--model, --device, --dtype, --weights and the serving engine's sizes, shared by the
     command-line front ends."""
     parser.add_argument("--model", default=None, metavar="PATH",
-                        help="checkpoint directory (default: the built-in tiny model with RANDOM weights)")
+                        help="checkpoint directory or llama.cpp GGUF file (qwen35 / qwen35moe, text-only) (default: "
+                             "the built-in tiny model with RANDOM weights)")
+    parser.add_argument("--dequantize-unsupported", action="store_true",
+                        help="for a GGUF file: dequantize tensor types the pipeline does not store (K-quants, ...) "
+                             "to float instead of refusing the file")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                         help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")

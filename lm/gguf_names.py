@@ -168,7 +168,7 @@ def plan(lm: nn.Module, file: GGUFFile, weights: str, groups: bool) -> dict[str,
             formats[name] = fmt
     if floats:
         print(f"[qwen35] {file.path.name}: {len(floats)} block weight(s) kept in float32 (their rows do not "
-              f"fit our block layout): {', '.join(floats[:4])}", file=sys.stderr)
+              f"fit our block layout, or the V-head reorder splits their blocks): {', '.join(floats[:4])}", file=sys.stderr)
     return formats
 
 

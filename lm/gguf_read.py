@@ -25,7 +25,7 @@ BLOCK_TYPES = ("Q8_0", "Q4_0")  # our int8 / int4 storage (lm/formats/blocks.py)
 class GGUFFile:
     """Name -> tensor access over one GGUF file (module docstring)."""
 
-    def __init__(self, path: str | Path, *, dequantize_unsupported: bool = False):
+    def __init__(self, path: str | Path, *, dequantize_unsupported: bool = False, quiet: bool = False):
         import gguf
 
         self.path = Path(path)
@@ -40,9 +40,9 @@ class GGUFFile:
             raise WeightError(f"{self.path}: GGUF architecture {self.arch!r} is not supported; this pipeline reads "
                               f"{', '.join(ARCHITECTURES)} (llama.cpp's Qwen3.5 / Qwen3.6 files)")
         self.tensors = {t.name: t for t in self.reader.tensors}
-        self._check_types(dequantize_unsupported)
+        self._check_types(dequantize_unsupported, quiet)
 
-    def _check_types(self, dequantize_unsupported: bool) -> None:
+    def _check_types(self, dequantize_unsupported: bool, quiet: bool) -> None:
         other = {n: t.tensor_type.name for n, t in self.tensors.items()
                  if t.tensor_type.name not in FLOAT_TYPES + BLOCK_TYPES}
         if other and not dequantize_unsupported:
@@ -50,7 +50,7 @@ class GGUFFile:
             raise WeightError(f"{self.path}: {len(other)} tensor(s) in a type this pipeline does not read: {shown}; "
                               f"it reads {', '.join(FLOAT_TYPES + BLOCK_TYPES)} (pass dequantize_unsupported=True / "
                               "--dequantize-unsupported to dequantize the others to float)")
-        if other:
+        if other and not quiet:
             print(f"[qwen35] {self.path.name}: dequantizing {len(other)} tensor(s) of type(s) "
                   f"{', '.join(sorted(set(other.values())))} to float (dequantize_unsupported)", file=sys.stderr)
 

@@ -29,9 +29,18 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def gguf_config(file: GGUFFile) -> ModelConfig:
-    """The text-only model config of a GGUF file."""
+    """The text-only model config of a GGUF file (the vision token ids from its vocabulary)."""
     raw = file.hf_config()
-    return ModelConfig(model_type=raw["model_type"], text=TextConfig.from_hf(raw), vision=None)
+    return ModelConfig(model_type=raw["model_type"], text=TextConfig.from_hf(raw), vision=None, **_vision_ids(file))
+
+
+def _vision_ids(file: GGUFFile) -> dict[str, int]:
+    """The ids of the vision tokens in the file's vocabulary (a GGUF has no config.json to say them)."""
+    tokens = file.value("tokenizer.ggml.tokens") or []
+    index = {t: i for i, t in enumerate(tokens)}
+    names = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+             "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
+    return {key: index[token] for key, token in names.items() if token in index}
 
 
 def load_gguf_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,

@@ -28,6 +28,8 @@ from .config import ModelConfig
 from .constraints import BUDGET_CLOSING, THINK_END, BudgetRule, ConstraintError, Grammars, reasoning_tokens
 from .default_model import RANDOM_WEIGHTS_NOTICE, default_model_path
 from .engine_requests import VisionCache, engine_prompt
+from .gguf_loading import is_gguf
+from .gguf_tokenizer import gguf_processor
 from .loading import load_model
 from .model import VLModel
 from .processor import Conversation, ModelInputs, Processor, PromptTooLongError
@@ -83,18 +85,23 @@ class Pipeline:
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None,
                         weights: str = "auto", engine_options: dict[str, Any] | None = None,
-                        compute: str = "auto") -> "Pipeline":
+                        compute: str = "auto", dequantize_unsupported: bool = False) -> "Pipeline":
         """The pipeline of a checkpoint directory (None: the built-in default model, tiny, with RANDOM
         weights, as the front ends take it; said on stderr); `weights` the storage format of the
         large weights (see `mm.load_model`), `compute` how prefill and the vision tower multiply (the
         same). The config is read first (a ConfigError naming what is wrong in config.json), then the
-        processor, so that a checkpoint without its tokenizer files fails before its weights are read."""
+        processor, so that a checkpoint without its tokenizer files fails before its weights are read.
+        A `.gguf` file loads text-only (mm.gguf_loading; `dequantize_unsupported` as in `mm.load_model`)."""
         if path is None:  # the built-in model, as the front ends take it (mm/default_model.py)
             print(f"WARNING: {RANDOM_WEIGHTS_NOTICE}", file=sys.stderr, flush=True)
             path = default_model_path()
-        ModelConfig.from_pretrained(path)
-        processor = Processor.from_pretrained(path)
-        model = load_model(path, device=device, dtype=dtype, weights=weights, compute=compute)
+        if is_gguf(path):  # a llama.cpp GGUF file: text-only, the tokenizer from its metadata
+            processor = gguf_processor(path)
+        else:
+            ModelConfig.from_pretrained(path)
+            processor = Processor.from_pretrained(path)
+        model = load_model(path, device=device, dtype=dtype, weights=weights, compute=compute,
+                           dequantize_unsupported=dequantize_unsupported)
         try:
             return cls(model, processor, engine_options=engine_options)
         except TokenizerMismatchError as error:

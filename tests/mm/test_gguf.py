@@ -178,3 +178,70 @@ def test_an_unsupported_tensor_type_is_refused_by_name_unless_asked(tmp_path, ca
     t = {t.name: t for t in gguf.GGUFReader(path).tensors}["blk.1.attn_k.weight"]
     expect = gguf.quants.dequantize(np.array(t.data), t.tensor_type)
     assert torch.equal(model.lm.model.layers[1].self_attn.k_proj.weight, torch.from_numpy(expect))
+
+
+def test_the_tokenizer_and_chat_template_come_from_the_metadata():
+    from lm.gguf_read import GGUFFile
+    from mm.gguf_tokenizer import gguf_chat_template, gguf_tokenizer
+    from mm.tokenizer_files import chat_template_text
+
+    reference, specials = gguf_fixtures.fixture_tokenizer()
+    file = GGUFFile(FIXTURES / "dense-bf16.gguf")
+    ours = gguf_tokenizer(file)
+    text = "<|im_start|>user\nWhat is in this video? Ünïcöde e\u0301 123  <think>\n\n</think>\tok!!<|im_end|>\n"
+    assert ours(text, add_special_tokens=False)["input_ids"] == reference.encode(text).ids
+    assert ours.convert_tokens_to_ids("<|im_end|>") == specials["<|im_end|>"] and ours.eos_token == "<|im_end|>"
+    assert ours.decode(reference.encode(text).ids) == reference.decode(reference.encode(text).ids, skip_special_tokens=False)
+    assert gguf_chat_template(file) == chat_template_text()
+
+
+def test_a_file_without_the_tokenizer_is_refused_naming_the_key(tmp_path):
+    path = tmp_path / "no-merges.gguf"
+    reader = gguf.GGUFReader(FIXTURES / "dense-q8_0.gguf")
+    writer = gguf.GGUFWriter(path, "qwen35")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "tokenizer.ggml.merges"):
+            continue
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[1] if len(field.types) > 1 else None)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type if t.tensor_type.name not in ("F32", "F16") else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(WeightError, match="no 'tokenizer.ggml.merges'"):
+        mm.Pipeline.from_pretrained(path)
+
+
+def test_the_pipeline_and_vqa_run_a_gguf_file_text_only():
+    from app import VQA
+    from lm import SamplingParams
+
+    pipe = mm.Pipeline.from_pretrained(FIXTURES / "moe-q8_0.gguf")
+    conversation = [{"role": "user", "content": "What is this?"}]
+    [out] = pipe.generate([conversation], SamplingParams(max_new_tokens=6, temperature=0))
+    x = pipe.processor([conversation]).input_ids
+    assert out.prompt_tokens == x.shape[1] and x[0, 0] == pipe.processor.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert out.token_ids[0] == int(pipe.model(x)[0, -1].argmax())  # greedy from the GGUF model's logits
+    answer = VQA(str(FIXTURES / "dense-q8_0.gguf")).ask("Hello", max_new_tokens=4, temperature=0)
+    assert answer.completion_tokens <= 4 and answer.finish_reason in ("length", "stop")
+    image = [{"type": "image", "image": np.zeros((32, 32, 3), np.uint8)}, {"type": "text", "text": "?"}]
+    with pytest.raises(ValueError, match="no vision tower"):
+        pipe.generate([[{"role": "user", "content": image}]], SamplingParams(max_new_tokens=2))
+
+
+def test_the_front_ends_take_a_gguf_file_and_the_flag(tmp_path):
+    import argparse
+
+    from app.loading import add_model_arguments, check_model
+
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    args = parser.parse_args(["--model", str(FIXTURES / "moe-bf16.gguf"), "--dequantize-unsupported"])
+    assert args.dequantize_unsupported and check_model(args.model) == FIXTURES / "moe-bf16.gguf"
+    with pytest.raises(FileNotFoundError, match="GGUF model file not found"):
+        check_model(tmp_path / "absent.gguf")
+    llama = tmp_path / "llama.gguf"
+    llama.write_bytes((FIXTURES / "dense-f32.gguf").read_bytes()[:100])
+    with pytest.raises(WeightError, match="truncated"):
+        check_model(llama)
