@@ -7,7 +7,8 @@ LLAMA_CPP_SRC_DIR is a llama.cpp source tree (its `convert_hf_to_gguf.py`, `conv
 `pip download --no-binary :all: llama-cpp-python==0.3.36`), torch 2.14.1, transformers 5.23.0.
 
 For each of `dense` (architecture qwen35) and `moe` (qwen35moe) it builds the tiny random checkpoint
-`fixture_model(kind)` (tests/tiny.py's, every parameter perturbed; 2 layers, vocab 384), saves it
+`fixture_model(kind)` (tests/tiny.py's, every parameter perturbed; 2 layers, vocab 384; the value
+head dim 16 in `dense`, 32 in `moe`: both sides of a Q8_0 block boundary), saves it
 with a tiny byte-level BPE tokenizer (fixture_tokenizer; the special tokens right after the merges)
 and the project's chat template, and converts it to `{kind}-{f32,bf16,q8_0}.gguf`
 (`--outtype`; this converter has no q4_0 outtype, so the tests write Q4_0 files from the F32 ones with
@@ -31,7 +32,7 @@ OUTTYPES = ("f32", "bf16", "q8_0")  # the converter writes no Q4_0 (that takes l
 KINDS = {"dense": "dense_text", "moe": "moe_text"}
 OVERRIDES = dict(vocab_size=384, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
                  num_attention_heads=2, num_key_value_heads=1)
-MOE_OVERRIDES = dict(num_experts=4, num_experts_per_tok=2)
+MOE_OVERRIDES = dict(num_experts=4, num_experts_per_tok=2, linear_value_head_dim=32)  # out_proj: whole Q8_0 blocks per V head
 MERGES = 80
 
 
