@@ -133,7 +133,8 @@ def plan(lm: nn.Module, file: GGUFFile, weights: str, groups: bool) -> dict[str,
     """The storage format of each large LM parameter for a GGUF file: the spec's where it names one
     (lm/formats/policy.py), else ("auto") the tensor's own: Q8_0 -> int8, Q4_0 -> int4, BF16 -> bf16,
     F32 / F16 -> fp32 (F16 exactly), any other type -> fp32. A block tensor that does not fit our
-    storage (rows % 8) or whose columns the V-head reorder splits is kept in float32, said once."""
+    storage (rows % 8, K % 32) or whose columns the V-head reorder splits is kept in float32 (bf16
+    where the spec named the format, as policy.plan does), said once."""
     parts = policy.parse(weights)
     n = lm.config.num_hidden_layers
     source = {}
@@ -158,17 +159,17 @@ def plan(lm: nn.Module, file: GGUFFile, weights: str, groups: bool) -> dict[str,
                     and lm.config.linear_num_value_heads != lm.config.linear_num_key_heads:
                 fmt = FP32
                 floats.append(name)
-        if not fmt.fits(p.shape[-1], rows):
-            if fmt.blocked:
-                floats.append(name)
-            fmt = FP32 if fmt.blocked else BF16
+        if not fmt.fits(p.shape[-1], rows):  # as policy.plan: a named format falls back to bf16, "auto" to fp32
+            floats.append(name)
+            fmt = BF16 if parts[part] != "auto" else FP32
         elif fmt is BF16 and groups and BF16_G8.fits(p.shape[-1], rows) and part != "router":
             fmt = BF16_G8
         if fmt is not FP32:
             formats[name] = fmt
     if floats:
-        print(f"[qwen35] {file.path.name}: {len(floats)} block weight(s) kept in float32 (their rows do not "
-              f"fit our block layout, or the V-head reorder splits their blocks): {', '.join(floats[:4])}", file=sys.stderr)
+        print(f"[qwen35] {file.path.name}: {len(floats)} weight(s) kept in float (bf16 for a format named in "
+              f"weights=, else float32) as their rows do not fit a block layout or the V-head reorder splits their "
+              f"blocks: {', '.join(floats[:4])}", file=sys.stderr)
     return formats
 
 

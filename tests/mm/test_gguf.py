@@ -247,3 +247,19 @@ def test_the_front_ends_take_a_gguf_file_and_the_flag(tmp_path):
     llama.write_bytes((FIXTURES / "dense-f32.gguf").read_bytes()[:100])
     with pytest.raises(WeightError, match="truncated"):
         check_model(llama)
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4,attention=int8", "bf16"])
+def test_a_weights_spec_stores_a_float_file_as_the_hf_checkpoint_is_stored(spec, tmp_path):
+    from lm.formats import policy
+
+    hf = hf_model("moe")
+    hf.save_pretrained(tmp_path)
+    ours, theirs = mm.load_model(FIXTURES / "moe-f32.gguf", weights=spec), mm.load_model(tmp_path, weights=spec)
+    reference = dict(theirs.lm.named_parameters())
+    large = [(n, p) for n, p in ours.lm.named_parameters() if policy.part_of(n) is not None]
+    assert any(p.dtype == torch.uint8 for _, p in large) == spec.startswith("int")
+    for name, p in large:
+        assert p.dtype == reference[name].dtype and torch.equal(p, reference[name]), name
+    x = ids()
+    assert rel_err(ours(x), theirs(x)) <= 1e-5
