@@ -34,18 +34,26 @@ def ids() -> torch.Tensor:
     return torch.randint(0, 384, (2, 13), generator=torch.Generator().manual_seed(1))
 
 
-def rewrite(src: Path, dst: Path, *, arch: str | None = None, change=None) -> Path:
-    """A copy of a GGUF file with the gguf package's writer: every metadata key, each tensor as
-    `change(name, float32 array, type)` gives it (None: as it is)."""
+def rewrite(src: Path, dst: Path, *, arch: str | None = None, change=None, values: dict | None = None,
+            drop: tuple[str, ...] = (), extra: dict | None = None, new_keys: dict | None = None) -> Path:
+    """A copy of a GGUF file with the gguf package's writer: every metadata key (`values` replace some,
+    `drop` leaves keys and tensors out, `new_keys` adds uint32 ones), each tensor as
+    `change(name, array, type)` gives it (None: as it is), then the float32 tensors `extra`."""
     reader = gguf.GGUFReader(src)
     arch = arch or reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(dst, arch)
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop:
             continue
         sub = field.types[1] if len(field.types) > 1 else None
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+        writer.add_key_value(key, (values or {}).get(key, field.contents()), field.types[0], sub_type=sub)
+    for key, value in (new_keys or {}).items():
+        writer.add_uint32(key, value)
+    for name, data in (extra or {}).items():
+        writer.add_tensor(name, data)
     for t in reader.tensors:
+        if t.name in drop:
+            continue
         data, qtype = np.array(t.data), t.tensor_type
         out = change(t.name, data, qtype) if change else None
         if out is None:
@@ -127,7 +135,10 @@ def test_q8_0_blocks_are_the_files_bits(tmp_path):
     """int8 weights hold the file's Q8_0 blocks as they are (rows regrouped by 8), no float round trip."""
     from lm.formats import blocks
 
+    from lm.gguf_read import GGUFFile
+
     model = mm.load_model(FIXTURES / "moe-q8_0.gguf")
+    assert isinstance(GGUFFile(FIXTURES / "moe-q8_0.gguf").reader.data, np.memmap)  # mapped, not read into memory
     reader = gguf.GGUFReader(FIXTURES / "moe-q8_0.gguf")
     file = {t.name: np.array(t.data) for t in reader.tensors}
     ours = blocks.deinterleave8(model.lm.model.layers[1].self_attn.k_proj.weight, blocks.Q8_0_BYTES)
@@ -198,21 +209,29 @@ def test_the_tokenizer_and_chat_template_come_from_the_metadata():
 
 
 def test_a_file_without_the_tokenizer_is_refused_naming_the_key(tmp_path):
-    path = tmp_path / "no-merges.gguf"
-    reader = gguf.GGUFReader(FIXTURES / "dense-q8_0.gguf")
-    writer = gguf.GGUFWriter(path, "qwen35")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key in ("general.architecture", "tokenizer.ggml.merges"):
-            continue
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[1] if len(field.types) > 1 else None)
-    for t in reader.tensors:
-        writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type if t.tensor_type.name not in ("F32", "F16") else None)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = rewrite(FIXTURES / "dense-q8_0.gguf", tmp_path / "no-merges.gguf", drop=("tokenizer.ggml.merges",))
     with pytest.raises(WeightError, match="no 'tokenizer.ggml.merges'"):
         mm.Pipeline.from_pretrained(path)
+
+
+def test_mtp_layers_are_skipped_and_unknown_or_missing_tensors_named(tmp_path):
+    """A file converted with its MTP layer (blk.{n}, nextn_predict_layers) loads without it; a tensor
+    we do not know, or one the model lacks, is an error naming it."""
+    mtp = {"blk.2.nextn.eh_proj.weight": np.ones((64, 128), np.float32), "blk.2.attn_norm.weight": np.ones(64, np.float32)}
+    path = rewrite(FIXTURES / "moe-f32.gguf", tmp_path / "mtp.gguf", extra=mtp,
+                   values={"qwen35moe.block_count": 3, "qwen35moe.attention.recurrent_layers": [True, False, False]})
+    with pytest.raises(WeightError, match=r"unexpected GGUF tensor 'blk\.2\.nextn\.eh_proj\.weight'"):
+        mm.load_model(path)  # without nextn_predict_layers, blk.2 is a third layer
+    path = rewrite(path, tmp_path / "mtp2.gguf", new_keys={"qwen35moe.nextn_predict_layers": 1})
+    model = mm.load_model(path, compute="fp32")
+    assert model.config.text.num_hidden_layers == 2
+    assert rel_err(model(ids()), hf_model("moe")(input_ids=ids()).logits.detach()) <= 1e-5
+    odd = rewrite(FIXTURES / "moe-f32.gguf", tmp_path / "odd.gguf", extra={"blk.0.ffn_odd.weight": np.ones(4, np.float32)})
+    with pytest.raises(WeightError, match=r"unexpected GGUF tensor 'blk\.0\.ffn_odd\.weight'"):
+        mm.load_model(odd)
+    short = rewrite(FIXTURES / "moe-f32.gguf", tmp_path / "short.gguf", drop=("blk.1.attn_k.weight",))
+    with pytest.raises(WeightError, match=r"missing 1 language-model tensor\(s\): model.layers.1.self_attn.k_proj"):
+        mm.load_model(short)
 
 
 def test_the_pipeline_and_vqa_run_a_gguf_file_text_only():
