@@ -38,7 +38,7 @@ def rewrite(src: Path, dst: Path, *, arch: str | None = None, change=None, value
             drop: tuple[str, ...] = (), extra: dict | None = None, new_keys: dict | None = None) -> Path:
     """A copy of a GGUF file with the gguf package's writer: every metadata key (`values` replace some,
     `drop` leaves keys and tensors out, `new_keys` adds uint32 ones), each tensor as
-    `change(name, array, type)` gives it (None: as it is), then the float32 tensors `extra`."""
+    `change(name, array, type)` gives it (None: as it is), then the tensors `extra` (float32, or (blocks, type))."""
     reader = gguf.GGUFReader(src)
     arch = arch or reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(dst, arch)
@@ -49,8 +49,9 @@ def rewrite(src: Path, dst: Path, *, arch: str | None = None, change=None, value
         writer.add_key_value(key, (values or {}).get(key, field.contents()), field.types[0], sub_type=sub)
     for key, value in (new_keys or {}).items():
         writer.add_uint32(key, value)
-    for name, data in (extra or {}).items():
-        writer.add_tensor(name, data)
+    for name, data in (extra or {}).items():  # an array, or (uint8 blocks, type)
+        data, qtype = data if isinstance(data, tuple) else (data, None)
+        writer.add_tensor(name, data, raw_dtype=qtype)
     for t in reader.tensors:
         if t.name in drop:
             continue
@@ -282,3 +283,17 @@ def test_a_weights_spec_stores_a_float_file_as_the_hf_checkpoint_is_stored(spec,
         assert p.dtype == reference[name].dtype and torch.equal(p, reference[name]), name
     x = ids()
     assert rel_err(ours(x), theirs(x)) <= 1e-5
+
+
+def test_experts_fused_by_the_converter_load_as_split_ones(tmp_path):
+    """--fuse-gate-up-exps writes ffn_gate_up_exps = cat(gate, up) along the expert's rows."""
+    src = FIXTURES / "moe-q8_0.gguf"
+    data = {t.name: (np.array(t.data), t.tensor_type) for t in gguf.GGUFReader(src).tensors}
+    fused = {f"blk.{i}.ffn_gate_up_exps.weight": (np.concatenate([data[f"blk.{i}.ffn_gate_exps.weight"][0],
+                                                                  data[f"blk.{i}.ffn_up_exps.weight"][0]], axis=1),
+                                                  data[f"blk.{i}.ffn_gate_exps.weight"][1]) for i in range(2)}
+    drop = tuple(f"blk.{i}.ffn_{p}_exps.weight" for i in range(2) for p in ("gate", "up"))
+    path = rewrite(src, tmp_path / "fused.gguf", drop=drop, extra=fused)
+    split, joined = mm.load_model(src), mm.load_model(path)
+    for (name, a), (_, b) in zip(split.lm.named_parameters(), joined.lm.named_parameters()):
+        assert torch.equal(a, b), name
