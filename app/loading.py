@@ -15,7 +15,7 @@ from lm.serving import EngineConfig
 from lm.serving.config import MAX_LEN_CAP
 from mm import ModelConfig, Pipeline
 from lm.gguf_read import GGUFFile
-from mm.gguf_loading import gguf_config, is_gguf
+from mm.gguf_loading import gguf_config, is_gguf, model_gguf
 from mm.tokenizer_check import check_tokenizer_files
 
 from mm.default_model import RANDOM_WEIGHTS_NOTICE, default_model_path
@@ -29,10 +29,10 @@ def resolve_model(model: str | Path | None) -> Path:
         print(f"WARNING: {RANDOM_WEIGHTS_NOTICE}", file=sys.stderr, flush=True)
         return default_model_path()
     path = Path(model).expanduser()
-    if is_gguf(path):  # a llama.cpp GGUF file (text-only)
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF model file not found: {path}")
-        return path
+    if (file := model_gguf(path)) is not None:  # a llama.cpp GGUF file, or a directory holding one (text-only)
+        if not file.is_file():
+            raise FileNotFoundError(f"GGUF model file not found: {file}")
+        return file
     if not path.is_dir():
         raise FileNotFoundError(f"model checkpoint directory not found: {path}")
     if not (path / "config.json").is_file():

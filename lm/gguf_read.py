@@ -4,11 +4,13 @@ the `gguf` package's memory map (the file is never copied whole; each tensor is 
 `GGUFFile(path)` checks the architecture, gives the hyper-parameters as a Hugging Face text config
 dict (`hf_config`), and each tensor as float32 (`float_tensor`) or, for Q8_0 / Q4_0, as its GGUF
 blocks (`blocks`, uint8 [..., N, K / 32 * bytes], rows as in the file). Tensor types other than
-F32, F16, BF16, Q8_0 and Q4_0 are refused by name unless `dequantize_unsupported`.
+F32, F16, BF16, Q8_0 and Q4_0 are refused by name unless `dequantize_unsupported`. A model split
+in parts (`NAME-00001-of-0000N.gguf`, llama.cpp's `split.count`) is read from its first part's path.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import torch
 from .weights import WeightError
 
 ARCHITECTURES = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
+SPLIT_NAME = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 BLOCK_TYPES = ("Q8_0", "Q4_0")  # our int8 / int4 storage (lm/formats/blocks.py)
 
@@ -40,7 +43,27 @@ class GGUFFile:
             raise WeightError(f"{self.path}: GGUF architecture {self.arch!r} is not supported; this pipeline reads "
                               f"{', '.join(ARCHITECTURES)} (llama.cpp's Qwen3.5 / Qwen3.6 files)")
         self.tensors = {t.name: t for t in self.reader.tensors}
+        for part in self._other_parts():
+            try:
+                self.tensors.update({t.name: t for t in gguf.GGUFReader(part, "r").tensors})
+            except Exception as e:
+                raise WeightError(f"cannot read {part}: truncated or not a GGUF file ({type(e).__name__}: {e})") from e
         self._check_types(dequantize_unsupported, quiet)
+
+    def _other_parts(self) -> list[Path]:
+        """The files after the first of a split model (`NAME-00001-of-0000N.gguf`, `split.count`)."""
+        count = int(self.value("split.count", 1) or 1)
+        if count == 1:
+            return []
+        m = SPLIT_NAME.match(self.path.name)
+        if m is None or int(m.group(2)) != 1 or int(m.group(3)) != count:
+            raise WeightError(f"{self.path}: part of a model split in {count} files: give its first part, "
+                              "NAME-00001-of-" f"{count:05d}.gguf")
+        parts = [self.path.with_name(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf") for i in range(2, count + 1)]
+        missing = [p.name for p in parts if not p.is_file()]
+        if missing:
+            raise WeightError(f"{self.path}: split model parts missing from {self.path.parent}: {', '.join(missing)}")
+        return parts
 
     def _check_types(self, dequantize_unsupported: bool, quiet: bool) -> None:
         other = {n: t.tensor_type.name for n, t in self.tensors.items()

@@ -13,7 +13,7 @@ import torch
 
 from lm.config import TextConfig
 from lm.gguf_names import load_gguf_lm_weights, plan
-from lm.gguf_read import GGUFFile
+from lm.gguf_read import SPLIT_NAME, GGUFFile
 from lm.kernels import bf16_groups, release_openmp_workers
 from lm.kernels.compute import check as check_compute
 from lm.kernels.compute import say_once
@@ -26,6 +26,24 @@ from .model import VLModel
 def is_gguf(path: str | Path) -> bool:
     """Whether `path` names a GGUF file (by its suffix)."""
     return Path(path).suffix.lower() == ".gguf"
+
+
+def model_gguf(path: str | Path) -> Path | None:
+    """The GGUF model file a model path names, None for a checkpoint directory: a `.gguf` file (the
+    first part of a split one), or a directory without config.json that holds one model GGUF (or
+    its split parts; `mmproj*` files aside). FileNotFoundError when it holds several."""
+    path = Path(path)
+    if is_gguf(path):
+        m = SPLIT_NAME.match(path.name)
+        return path.with_name(f"{m.group(1)}-00001-of-{m.group(3)}.gguf") if m else path
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    files = sorted(p for p in path.glob("*.gguf") if not p.name.lower().startswith("mmproj"))
+    firsts = [p for p in files if (m := SPLIT_NAME.match(p.name)) is None or int(m.group(2)) == 1]
+    if len(firsts) > 1:
+        raise FileNotFoundError(f"{path} holds {len(firsts)} model GGUF files ({', '.join(p.name for p in firsts)}): "
+                                "name one with --model FILE")
+    return firsts[0] if firsts else None
 
 
 def gguf_config(file: GGUFFile) -> ModelConfig:

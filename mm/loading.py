@@ -21,7 +21,7 @@ from lm.weights import lm_param_name
 from vision import load_vision_weights
 
 from .config import ModelConfig, read_config_json
-from .gguf_loading import is_gguf, load_gguf_model
+from .gguf_loading import load_gguf_model, model_gguf
 from .model import VLModel
 
 MTP_PREFIX = "mtp."  # multi-token-prediction head: in real checkpoints, not used here
@@ -47,13 +47,15 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     so that the next start of the same checkpoint and spec reads them instead of converting.
     `compute` ("auto", "fp32", "bf16", "int8"; lm/kernels/compute.py) is how prefill products and
     the vision tower multiply: "fp32" is the exact path; "auto" keeps float32 weights exact and
-    gives the others bf16 where the CPU has AMX tiles.
+    gives the others bf16 where the CPU has AMX tiles, else int8 (Q8_0 / Q4_0 weights) or bf16 (bf16
+    weights, on AVX512-BF16).
 
-    A `.gguf` file (llama.cpp's qwen35 / qwen35moe) loads text-only through mm.gguf_loading;
+    A `.gguf` file (llama.cpp's qwen35 / qwen35moe; or a directory holding one, see
+    mm.gguf_loading.model_gguf) loads text-only through mm.gguf_loading;
     `dequantize_unsupported` lets it dequantize tensor types we do not store (K-quants, ...).
     """
-    if is_gguf(path):
-        return load_gguf_model(path, device=device, dtype=dtype, weights=weights, compute=compute,
+    if (file := model_gguf(path)) is not None:
+        return load_gguf_model(file, device=device, dtype=dtype, weights=weights, compute=compute,
                                dequantize_unsupported=dequantize_unsupported)
     check_compute(compute)  # a bad value fails before anything is read
     path = Path(path)

@@ -28,7 +28,7 @@ from .config import ModelConfig
 from .constraints import BUDGET_CLOSING, THINK_END, BudgetRule, ConstraintError, Grammars, reasoning_tokens
 from .default_model import RANDOM_WEIGHTS_NOTICE, default_model_path
 from .engine_requests import VisionCache, engine_prompt
-from .gguf_loading import is_gguf
+from .gguf_loading import model_gguf
 from .gguf_tokenizer import gguf_processor
 from .loading import load_model
 from .model import VLModel
@@ -95,8 +95,8 @@ class Pipeline:
         if path is None:  # the built-in model, as the front ends take it (mm/default_model.py)
             print(f"WARNING: {RANDOM_WEIGHTS_NOTICE}", file=sys.stderr, flush=True)
             path = default_model_path()
-        if is_gguf(path):  # a llama.cpp GGUF file: text-only, the tokenizer from its metadata
-            processor = gguf_processor(path)
+        if (file := model_gguf(path)) is not None:  # a llama.cpp GGUF file: text-only, the tokenizer from its metadata
+            processor = gguf_processor(file)
         else:
             ModelConfig.from_pretrained(path)
             processor = Processor.from_pretrained(path)

@@ -35,13 +35,14 @@ def ids() -> torch.Tensor:
 
 
 def rewrite(src: Path, dst: Path, *, arch: str | None = None, change=None, values: dict | None = None,
-            drop: tuple[str, ...] = (), extra: dict | None = None, new_keys: dict | None = None) -> Path:
+            drop: tuple[str, ...] = (), extra: dict | None = None, new_keys: dict | None = None,
+            split_max_tensors: int = 0) -> Path:
     """A copy of a GGUF file with the gguf package's writer: every metadata key (`values` replace some,
     `drop` leaves keys and tensors out, `new_keys` adds uint32 ones), each tensor as
     `change(name, array, type)` gives it (None: as it is), then the tensors `extra` (float32, or (blocks, type))."""
     reader = gguf.GGUFReader(src)
     arch = arch or reader.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(dst, arch)
+    writer = gguf.GGUFWriter(dst, arch, split_max_tensors=split_max_tensors)
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture" or key in drop:
             continue
@@ -297,3 +298,23 @@ def test_experts_fused_by_the_converter_load_as_split_ones(tmp_path):
     split, joined = mm.load_model(src), mm.load_model(path)
     for (name, a), (_, b) in zip(split.lm.named_parameters(), joined.lm.named_parameters()):
         assert torch.equal(a, b), name
+
+
+def test_a_split_model_and_a_directory_holding_one_are_found(tmp_path):
+    """llama.cpp's NAME-00001-of-0000N.gguf parts load from the first part's path, from any part's,
+    and from their directory (no config.json; an mmproj file beside them is not the model)."""
+    rewrite(FIXTURES / "dense-q8_0.gguf", tmp_path / "m.gguf", split_max_tensors=12)
+    parts = sorted(tmp_path.glob("m-*.gguf"))
+    assert [p.name for p in parts] == [f"m-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    (tmp_path / "mmproj-m-f16.gguf").write_bytes(b"not read")
+    whole = mm.load_model(FIXTURES / "dense-q8_0.gguf")
+    x = ids()
+    for path in (parts[0], parts[2], tmp_path):
+        model = mm.load_model(path)
+        assert torch.equal(model(x), whole(x)), path
+    parts[1].unlink()
+    with pytest.raises(WeightError, match="parts missing .*m-00002-of-00003.gguf"):
+        mm.load_model(parts[0])
+    (tmp_path / "other.gguf").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="holds 2 model GGUF files"):
+        mm.load_model(tmp_path)
