@@ -21,7 +21,7 @@ from lm.weights import lm_param_name
 from vision import load_vision_weights
 
 from .config import ModelConfig, read_config_json
-from .gguf_loading import load_gguf_model, model_gguf
+from .gguf_loading import load_gguf_model, mmproj_beside, model_gguf
 from .model import VLModel
 
 MTP_PREFIX = "mtp."  # multi-token-prediction head: in real checkpoints, not used here
@@ -33,7 +33,8 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               weights: str = "auto", compute: str = "auto", dequantize_unsupported: bool = False) -> VLModel:
+               weights: str = "auto", compute: str = "auto", dequantize_unsupported: bool = False,
+               mmproj: str | Path | None = None) -> VLModel:
     """Load `config.json` and the safetensors weights (single file or shards) of a Qwen3.5 checkpoint.
 
     Tensors are streamed one at a time into a model allocated once on `device`, each converted to
@@ -51,12 +52,15 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     weights, on AVX512-BF16).
 
     A `.gguf` file (llama.cpp's qwen35 / qwen35moe; or a directory holding one, see
-    mm.gguf_loading.model_gguf) loads text-only through mm.gguf_loading;
+    mm.gguf_loading.model_gguf) loads through mm.gguf_loading, with the vision tower of its `mmproj`
+    file (or the one `mmproj*.gguf` beside it in that directory), else text-only;
     `dequantize_unsupported` lets it dequantize tensor types we do not store (K-quants, ...).
     """
     if (file := model_gguf(path)) is not None:
         return load_gguf_model(file, device=device, dtype=dtype, weights=weights, compute=compute,
-                               dequantize_unsupported=dequantize_unsupported)
+                               dequantize_unsupported=dequantize_unsupported, mmproj=mmproj or mmproj_beside(path))
+    if mmproj is not None:
+        raise ValueError(f"mmproj={str(mmproj)!r} goes with a GGUF model file; {path} is a checkpoint directory")
     check_compute(compute)  # a bad value fails before anything is read
     path = Path(path)
     raw = read_config_json(path)

@@ -242,7 +242,11 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     k = _fusable(x)
     if tiles(k):
         return k.amx_linear(x.contiguous(), weight)
-    if weight.dtype != torch.bfloat16:
+    if weight.dtype == torch.uint16:  # bf16 in groups of 8 rows: regrouped into rows, no float32 copy
+        from ..formats import ungroup_rows
+
+        weight = ungroup_rows(weight)
+    elif weight.dtype != torch.bfloat16:
         weight = to_float(weight, x.shape[-1]).to(torch.bfloat16)
     return F.linear(x.to(torch.bfloat16), weight).float()
 

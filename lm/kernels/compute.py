@@ -10,8 +10,8 @@ front end), held by each layer (`Linear.compute`, `Experts.compute`) and resolve
            AMX-INT8 tiles where the CPU has them (amx_linear.cpp), else the int8 dot products
            (int8_dot.h; while kernels.int8_activations is on); weights in other formats take float32
     auto   float32 weights: fp32 (exact); other formats: bf16 where the CPU has AMX-BF16 tiles
-           (bench/ttft.py measures it against the float32 path), else int8 for Q8_0 / Q4_0 weights
-           and fp32 for bf16 ones
+           (bench/ttft.py measures it against the float32 path), else int8 for Q8_0 / Q4_0 weights,
+           and for bf16 ones bf16 where the CPU has AVX512-BF16 (torch's bf16 GEMM), else fp32
 
 Errors against float32 on the same weights: tests/lm/test_compute.py.
 """
@@ -24,6 +24,7 @@ import sys
 import torch
 
 CHOICES = ("auto", "fp32", "bf16", "int8")
+BF16_DTYPES = (torch.bfloat16, torch.uint16)  # bf16 weights in rows / in groups of 8 rows (lm/formats)
 _said: set[str] = set()
 
 
@@ -88,7 +89,11 @@ def pick(requested: str | None, weight_dtype, k) -> str:
     if requested == "auto":
         if weight_dtype == torch.float32:
             return "fp32"  # float32 weights ask for the exact path
-        return "bf16" if tiles(k) else "int8" if int8_ok else "fp32"
+        if tiles(k):
+            return "bf16"
+        if int8_ok:
+            return "int8"
+        return "bf16" if weight_dtype in BF16_DTYPES and "avx512_bf16" in cpu_flags() else "fp32"
     if requested == "int8" and not int8_ok:
         say_once("int8-n/a", "compute='int8' applies to int8 / int4 weights with the kernels' int8 dot products "
                   "on; other products compute in float32")  # fmt: skip

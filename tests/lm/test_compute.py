@@ -56,8 +56,11 @@ def _twin(x: torch.Tensor, w32: torch.Tensor) -> torch.Tensor:
 
 def test_amx_kernel_matches_its_twin_where_the_cpu_has_it():
     k = kernels.compiled()
-    if not compute.tiles(k):
-        assert compute.pick("auto", torch.bfloat16, k) != "bf16"  # auto never picks bf16 without tiles
+    if not compute.tiles(k):  # without tiles, auto picks bf16 for bf16 weights only, where AVX512-BF16 is
+        native = "avx512_bf16" in compute.cpu_flags()
+        assert (compute.pick("auto", torch.bfloat16, k) == "bf16") == native
+        assert (compute.pick("auto", torch.uint16, k) == "bf16") == native
+        assert compute.pick("auto", torch.uint8, k) != "bf16"
         return
     x = torch.randn(45, 4304)  # K no multiple of 32 (the vision MLP's), M no multiple of 32
     w = torch.randn(72, 4304)
@@ -137,6 +140,8 @@ def test_a_failed_start_up_check_keeps_auto_off_the_tiles(monkeypatch, capsys):
     monkeypatch.setattr(compute, "_said", set())
     monkeypatch.setattr(compute, "_self_check", lambda module: False)
     assert not compute.tiles(k)
-    assert compute.pick("auto", torch.uint8, k) != "bf16" and compute.pick("auto", torch.bfloat16, k) != "bf16"
+    assert compute.pick("auto", torch.uint8, k) != "bf16"
+    monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))  # no native bf16 either
+    assert compute.pick("auto", torch.bfloat16, k) != "bf16"
     if k is not None and k.amx_ready():
         assert "failed their start-up check" in capsys.readouterr().err
