@@ -4,6 +4,7 @@
 // time: each head's chunk scan is a sequence of small matrix products, which run far better
 // single-threaded side by side than split across threads one at a time.
 
+#include "kernels.h"
 #include "vec.h"
 
 #include <c10/core/GradMode.h>
@@ -43,8 +44,9 @@ std::vector<at::Tensor> chunked_delta_rule(at::Tensor q, at::Tensor k, at::Tenso
   const auto causal = at::ones({C, C}, opt.dtype(at::kBool)).tril();
   const auto eye = at::eye(C, opt);
   std::atomic<int64_t> next{0};
+  const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    c10::NoGradGuard no_grad;
+    const WorkerModes modes(inference);
     const FlushDenormals flush;  // strongly decaying heads make denormal decays (exp of -100s): 4-8x slower
     for (int64_t h = next++; h < BH; h = next++) {
       // padded steps have k = v = 0 and g = 0: they leave the state untouched

@@ -57,8 +57,9 @@ at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Ten
   const int64_t T = at::get_num_threads();
   std::vector<at::Tensor> ys(E);  // each expert's outputs [rows, H], unweighted
   std::atomic<int64_t> next{0};
+  const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, T, 1, [&](int64_t, int64_t) {
-    c10::NoGradGuard no_grad;  // inference only (grad mode is per thread)
+    const WorkerModes modes(inference);  // inference only (grad and inference modes are per thread)
     at::Tensor gate_up_f, down_f;  // this thread's float32 copy of the current expert (compact formats)
     QuantizedX xq;  // this thread's current expert's rows of x, then of act, in Q8_0 blocks (int8 path)
     if (compact && !i8 && !amx) gate_up_f = at::empty({2 * I, H}, x.options()), down_f = at::empty({H, I}, x.options());

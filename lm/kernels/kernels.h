@@ -3,6 +3,8 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 
 #include <vector>
 
@@ -27,6 +29,14 @@ at::Tensor gdn_decode(at::Tensor qkv, at::Tensor z, at::Tensor b_in, at::Tensor 
                       double eps, int64_t num_k_heads);
 // gdn_decode on raw float32 rows (its checks done by the caller): how the decode step calls it, with
 // no tensor made per call
+// A worker thread of at::parallel_for running ATen ops: no autograd, and the caller's inference mode
+// (thread-local: without it, in-place ops on tensors made under torch.inference_mode() fail there).
+struct WorkerModes {
+  explicit WorkerModes(bool inference) : mode(inference) {}
+  c10::NoGradGuard no_grad;
+  c10::InferenceMode mode;
+};
+
 struct GdnShape {
   int64_t B, C, Km1, Hk, Hv, Dk, Dv;  // rows, conv channels, conv window, key / value heads, head dims
 };

@@ -521,3 +521,16 @@ def test_generation_and_engine_submissions_release_their_threads_workers(checkpo
         assert released[-1] == "load"
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kind, weights", [("moe", "fp32"), ("moe", "int8"), ("dense", "bf16")])
+def test_inference_mode_runs_the_kernels_as_no_grad_does(checkpoints, kind, weights):
+    """The kernels' worker threads take the caller's inference mode: under torch.inference_mode() the
+    in-place ops of the chunked delta rule and the expert MLP on its tensors must not fail there."""
+    model = mm.load_model(checkpoints(kind)[1], weights=weights).lm
+    ids = torch.randint(3, 400, (2, 150), generator=torch.Generator().manual_seed(9))  # > 2 delta-rule chunks
+    with torch.no_grad():
+        expected = model(ids)
+    with torch.inference_mode():
+        got = model(ids)
+    assert torch.equal(got, expected)
