@@ -62,7 +62,7 @@ def load_job(args: argparse.Namespace, model: str | Path | None) -> tuple[Pipeli
     engine options, and the job, of the captioner's command line (`python -m app.caption`'s arguments)."""
     pipeline = load_pipeline(model, device=args.device, dtype=args.dtype, weights=args.weights,
                              engine_options=engine_options(args), compute=args.compute,
-                             dequantize_unsupported=args.dequantize_unsupported)  # fmt: skip
+                             dequantize_unsupported=args.dequantize_unsupported, mmproj=args.mmproj)  # fmt: skip
     params = pipeline.default_params(args.preset, max_new_tokens=args.max_new_tokens, seed=args.seed,
                                      json_schema=args.json_schema, thinking_budget=args.thinking_budget)  # fmt: skip
     pipeline.constraint_rule(params, args.thinking)  # an unsupported schema fails here, not once per video

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         path = check_model(args.model)  # prints the random-weights notice when no --model
         pipeline = load_pipeline(path, device=args.device, dtype=args.dtype, weights=args.weights,
                                  engine_options=engine_options(args), compute=args.compute,
-                                 dequantize_unsupported=args.dequantize_unsupported)  # kernels first
+                                 dequantize_unsupported=args.dequantize_unsupported, mmproj=args.mmproj)  # kernels first
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
     title = f"Qwen3.5 / Qwen3.6 chat: {Path(path).name}"

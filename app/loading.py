@@ -55,10 +55,10 @@ def check_model(model: str | Path | None) -> Path:
 
 def load_pipeline(model: str | Path | None, *, device: str = "cpu", dtype: torch.dtype | str | None = None,
                   weights: str = "auto", engine_options: dict | None = None, compute: str = "auto",
-                  dequantize_unsupported: bool = False) -> Pipeline:
+                  dequantize_unsupported: bool = False, mmproj: str | Path | None = None) -> Pipeline:
     """`mm.Pipeline` for a checkpoint directory (None: the built-in random-weights model); `weights`
     the storage format of the large weights and `compute` how prefill and the vision tower multiply
-    (see `mm.load_model`; `dequantize_unsupported` for a GGUF file); `engine_options` those of its
+    (see `mm.load_model`; `dequantize_unsupported` and `mmproj` for a GGUF file); `engine_options` those of its
     serving engine (see `engine_options`). On CPU the C++ kernels are built (first time, announced)
     or loaded first, so no request waits for a build."""
     if isinstance(dtype, str):
@@ -67,7 +67,7 @@ def load_pipeline(model: str | Path | None, *, device: str = "cpu", dtype: torch
     if torch.device(device).type == "cpu":
         prebuild()
     return Pipeline.from_pretrained(path, device=device, dtype=dtype, weights=weights, engine_options=engine_options,
-                                    compute=compute, dequantize_unsupported=dequantize_unsupported)
+                                    compute=compute, dequantize_unsupported=dequantize_unsupported, mmproj=mmproj)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -104,8 +104,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """--model, --device, --dtype, --weights and the serving engine's sizes, shared by the
     command-line front ends."""
     parser.add_argument("--model", default=None, metavar="PATH",
-                        help="checkpoint directory or llama.cpp GGUF file (qwen35 / qwen35moe, text-only) (default: "
+                        help="checkpoint directory, or llama.cpp GGUF file (qwen35 / qwen35moe) or a directory holding one (default: "
                              "the built-in tiny model with RANDOM weights)")
+    parser.add_argument("--mmproj", default=None, metavar="FILE",
+                        help="with a GGUF --model: llama.cpp's mmproj file of the vision tower (default: the one "
+                             "mmproj*.gguf beside the model in a --model directory, else text-only)")
     parser.add_argument("--dequantize-unsupported", action="store_true",
                         help="for a GGUF file: dequantize tensor types the pipeline does not store (K-quants, ...) "
                              "to float instead of refusing the file")

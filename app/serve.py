@@ -469,7 +469,8 @@ def build_server(args: argparse.Namespace) -> tuple[FastAPI, Backend]:
     """Load the model named by `args` and make the app (no serving yet)."""
     path = check_model(args.model)  # config.json and tokenizer first; the random-weights notice when no --model
     load_args = dict(device=args.device, dtype=args.dtype, weights=args.weights, engine_options=engine_options(args),
-                     compute=args.compute, dequantize_unsupported=args.dequantize_unsupported)
+                     compute=args.compute, dequantize_unsupported=args.dequantize_unsupported,
+                     mmproj=args.mmproj)
     pipeline = load_pipeline(path, **load_args)
     if args.max_model_len is not None:
         if args.max_model_len < 2:

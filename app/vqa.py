@@ -58,9 +58,9 @@ class VQA:
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None,
                  preset: str | None = None, weights: str = "auto", compute: str = "auto",
-                 dequantize_unsupported: bool = False):  # fmt: skip
+                 dequantize_unsupported: bool = False, mmproj: str | Path | None = None):  # fmt: skip
         self.pipeline = load_pipeline(model, device=device, dtype=dtype, weights=weights, compute=compute,
-                                      dequantize_unsupported=dequantize_unsupported)
+                                      dequantize_unsupported=dequantize_unsupported, mmproj=mmproj)
         self.preset = preset
         self.pipeline.default_params(preset)  # refuse an unknown preset now
 

@@ -28,7 +28,8 @@ BLOCK_TYPES = ("Q8_0", "Q4_0")  # our int8 / int4 storage (lm/formats/blocks.py)
 class GGUFFile:
     """Name -> tensor access over one GGUF file (module docstring)."""
 
-    def __init__(self, path: str | Path, *, dequantize_unsupported: bool = False, quiet: bool = False):
+    def __init__(self, path: str | Path, *, dequantize_unsupported: bool = False, quiet: bool = False,
+                 architectures: tuple[str, ...] = tuple(ARCHITECTURES)):
         import gguf
 
         self.path = Path(path)
@@ -39,9 +40,9 @@ class GGUFFile:
         except Exception as e:  # the package raises ValueError, IndexError, ... on a damaged file
             raise WeightError(f"cannot read {self.path}: truncated or not a GGUF file ({type(e).__name__}: {e})") from e
         self.arch = self.value("general.architecture")
-        if self.arch not in ARCHITECTURES:
-            raise WeightError(f"{self.path}: GGUF architecture {self.arch!r} is not supported; this pipeline reads "
-                              f"{', '.join(ARCHITECTURES)} (llama.cpp's Qwen3.5 / Qwen3.6 files)")
+        if self.arch not in architectures:
+            raise WeightError(f"{self.path}: GGUF architecture {self.arch!r} is not supported here; this pipeline reads "
+                              f"{', '.join(architectures)} (llama.cpp's Qwen3.5 / Qwen3.6 files)")
         self.tensors = {t.name: t for t in self.reader.tensors}
         for part in self._other_parts():
             try:

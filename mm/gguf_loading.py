@@ -2,7 +2,8 @@
 
 The hyper-parameters come from the GGUF metadata (lm/gguf_read.py), the tensors through its memory
 map with the converter's transforms undone (lm/gguf_names.py). A GGUF model file holds no vision
-tower (llama.cpp keeps it in a separate mmproj file, not read yet): the model is text-only, said once.
+tower: llama.cpp keeps it in a separate mmproj file (mm/gguf_mmproj.py); without one the model is
+text-only, said once.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from lm.config import TextConfig
+from lm.config import ConfigError, TextConfig
+from lm.formats import policy
 from lm.gguf_names import load_gguf_lm_weights, plan
 from lm.gguf_read import SPLIT_NAME, GGUFFile
 from lm.kernels import bf16_groups, release_openmp_workers
@@ -20,6 +22,7 @@ from lm.kernels.compute import say_once
 from lm.storage import compact
 
 from .config import ModelConfig
+from .gguf_mmproj import load_mmproj_weights, mmproj_config, open_mmproj
 from .model import VLModel
 
 
@@ -46,10 +49,34 @@ def model_gguf(path: str | Path) -> Path | None:
     return firsts[0] if firsts else None
 
 
-def gguf_config(file: GGUFFile) -> ModelConfig:
-    """The text-only model config of a GGUF file (the vision token ids from its vocabulary)."""
+def mmproj_beside(path: str | Path) -> Path | None:
+    """The mmproj file of a model directory (`mmproj*.gguf`), None for a file path or none there;
+    FileNotFoundError when the directory holds several."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    found = sorted(p for p in path.glob("*.gguf") if p.name.lower().startswith("mmproj"))
+    if len(found) > 1:
+        raise FileNotFoundError(f"{path} holds {len(found)} mmproj files ({', '.join(p.name for p in found)}): "
+                                "name one with --mmproj FILE")
+    return found[0] if found else None
+
+
+def gguf_config(file: GGUFFile, mmproj: GGUFFile | None = None) -> ModelConfig:
+    """The model config of a GGUF file (the vision token ids from its vocabulary), with the vision
+    tower of an mmproj file (else text-only)."""
     raw = file.hf_config()
-    return ModelConfig(model_type=raw["model_type"], text=TextConfig.from_hf(raw), vision=None, **_vision_ids(file))
+    text = TextConfig.from_hf(raw)
+    if mmproj is None:
+        return ModelConfig(model_type=raw["model_type"], text=text, vision=None, **_vision_ids(file))
+    try:
+        vision = mmproj_config(mmproj)
+    except ValueError as e:
+        raise ConfigError(f"{mmproj.path}: {e}") from e
+    if vision.out_hidden_size != text.hidden_size:
+        raise ConfigError(f"{mmproj.path}: projection_dim {vision.out_hidden_size} != the model's embedding_length "
+                          f"{text.hidden_size}: not this model's mmproj")
+    return ModelConfig(model_type=raw["model_type"].removesuffix("_text"), text=text, vision=vision, **_vision_ids(file))
 
 
 def _vision_ids(file: GGUFFile) -> dict[str, int]:
@@ -62,17 +89,22 @@ def _vision_ids(file: GGUFFile) -> dict[str, int]:
 
 
 def load_gguf_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                    weights: str = "auto", compute: str = "auto", dequantize_unsupported: bool = False) -> VLModel:
-    """A text-only `VLModel` from a GGUF file (see `mm.load_model`). `weights="auto"` keeps each
-    tensor's own format where ours can hold it: Q8_0 -> int8, Q4_0 -> int4 (the same bits, rows
-    regrouped), BF16 -> bf16, F32 / F16 -> fp32 (lm.gguf_names.plan)."""
+                    weights: str = "auto", compute: str = "auto", dequantize_unsupported: bool = False,
+                    mmproj: str | Path | None = None) -> VLModel:
+    """A `VLModel` from a GGUF file (see `mm.load_model`), with the vision tower of the `mmproj`
+    file, else text-only (said once). `weights="auto"` keeps each LM tensor's own format where ours
+    can hold it: Q8_0 -> int8, Q4_0 -> int4 (the same bits, rows regrouped), BF16 -> bf16, F32 / F16
+    -> fp32 (lm.gguf_names.plan); the tower's matrices as lm.formats.policy.vision_dtype says for a
+    bf16 (BF16 file) or float32 (other types) checkpoint."""
     from .loading import allocate, default_dtype, set_compute
 
     check_compute(compute)
     file = GGUFFile(path, dequantize_unsupported=dequantize_unsupported)
-    config = gguf_config(file)
+    clip = open_mmproj(mmproj, dequantize_unsupported=dequantize_unsupported) if mmproj is not None else None
+    config = gguf_config(file, clip)
     dtype = dtype or default_dtype(device)
-    say_once("gguf-text-only", f"{Path(path).name}: no mmproj file given: the model is text-only (no images or videos)")
+    if clip is None:
+        say_once("gguf-text-only", f"{Path(path).name}: no mmproj file given: the model is text-only (no images or videos)")
     with torch.device("meta"):
         model = VLModel(config)
     model = model.to(dtype=dtype)
@@ -82,8 +114,14 @@ def load_gguf_model(path: str | Path, *, device: str | torch.device = "cpu", dty
         raise ValueError(f"weights={weights!r} is for CPU with float32 compute; on {device} in {dtype} use weights='auto'")
     else:
         formats = {}
-    model = allocate(model, formats, device)
+    vision = None
+    if clip is not None and compact(device, dtype):
+        bf16 = clip.type_of("mm.0.weight") == "BF16" if "mm.0.weight" in clip.tensors else False
+        vision = policy.vision_dtype(weights, torch.bfloat16 if bf16 else torch.float32)
+    model = allocate(model, formats, device, vision)
     load_gguf_lm_weights(model.lm, file, formats)
+    if clip is not None:
+        load_mmproj_weights(model.visual, clip)
     set_compute(compute, model)
     model.generation_config = {}
     release_openmp_workers()

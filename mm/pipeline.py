@@ -85,13 +85,15 @@ class Pipeline:
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None,
                         weights: str = "auto", engine_options: dict[str, Any] | None = None,
-                        compute: str = "auto", dequantize_unsupported: bool = False) -> "Pipeline":
+                        compute: str = "auto", dequantize_unsupported: bool = False,
+                        mmproj: str | Path | None = None) -> "Pipeline":
         """The pipeline of a checkpoint directory (None: the built-in default model, tiny, with RANDOM
         weights, as the front ends take it; said on stderr); `weights` the storage format of the
         large weights (see `mm.load_model`), `compute` how prefill and the vision tower multiply (the
         same). The config is read first (a ConfigError naming what is wrong in config.json), then the
         processor, so that a checkpoint without its tokenizer files fails before its weights are read.
-        A `.gguf` file loads text-only (mm.gguf_loading; `dequantize_unsupported` as in `mm.load_model`)."""
+        A `.gguf` file loads with its `mmproj` file, else text-only (mm.gguf_loading; `dequantize_unsupported`
+        and `mmproj` as in `mm.load_model`)."""
         if path is None:  # the built-in model, as the front ends take it (mm/default_model.py)
             print(f"WARNING: {RANDOM_WEIGHTS_NOTICE}", file=sys.stderr, flush=True)
             path = default_model_path()
@@ -101,7 +103,7 @@ class Pipeline:
             ModelConfig.from_pretrained(path)
             processor = Processor.from_pretrained(path)
         model = load_model(path, device=device, dtype=dtype, weights=weights, compute=compute,
-                           dequantize_unsupported=dequantize_unsupported)
+                           dequantize_unsupported=dequantize_unsupported, mmproj=mmproj)
         try:
             return cls(model, processor, engine_options=engine_options)
         except TokenizerMismatchError as error:

@@ -14,7 +14,8 @@ and the project's chat template, and converts it to `{kind}-{f32,bf16,q8_0}.gguf
 (`--outtype`; this converter has no q4_0 outtype, so the tests write Q4_0 files from the F32 ones with
 the `gguf` package's reference quantizer; the converter's small pre-tokenizer hash is declared as Qwen3.5's, as
 `get_vocab_base_pre` would say for the real tokenizer). The tests rebuild the same checkpoint from
-the seed and compare.
+the seed and compare. `dense-vl` is a dense VL checkpoint (`fixture_vl_model`): its LM as
+`dense-vl-f32.gguf` and its vision tower as `mmproj-dense-vl-f32.gguf` (`--mmproj`).
 """
 
 from __future__ import annotations
@@ -63,10 +64,29 @@ def fixture_tokenizer():
     return Tokenizer.from_str(json.dumps(tok)), specials
 
 
+def fixture_vl_model():
+    """The float32 transformers VL model (dense, with a vision tower) of the `dense-vl` fixtures: the
+    vision token ids are the fixture tokenizer's."""
+    import torch
+    import transformers
+
+    from tests import tiny
+
+    _, specials = fixture_tokenizer()
+    cfg = tiny.config_dict("dense_vl", **OVERRIDES)
+    cfg.update(image_token_id=specials["<|image_pad|>"], video_token_id=specials["<|video_pad|>"],
+               vision_start_token_id=specials["<|vision_start|>"], vision_end_token_id=specials["<|vision_end|>"])
+    torch.manual_seed(46)
+    model = transformers.Qwen3_5ForConditionalGeneration._from_config(
+        transformers.AutoConfig.for_model(**cfg), dtype=torch.float32, attn_implementation="sdpa").eval()
+    tiny.perturb(model, 46)
+    return model
+
+
 def write_checkpoint(kind: str, path: Path) -> Path:
     from mm import tokenizer_files as tf
 
-    model = fixture_model(kind)
+    model = fixture_vl_model() if kind == "dense-vl" else fixture_model(kind)
     model.save_pretrained(path)
     tokenizer, specials = fixture_tokenizer()
     (path / "tokenizer.json").write_text(tokenizer.to_str(), encoding="utf-8")
@@ -78,7 +98,7 @@ def write_checkpoint(kind: str, path: Path) -> Path:
     return path
 
 
-def convert(llama_cpp: Path, hf_dir: Path, out: Path, outtype: str) -> None:
+def convert(llama_cpp: Path, hf_dir: Path, out: Path, outtype: str, *args: str) -> None:
     code = (
         "import runpy, sys; from pathlib import Path; root = Path(sys.argv[1]); "
         "sys.argv = [str(root / 'convert_hf_to_gguf.py')] + sys.argv[2:]; "
@@ -89,19 +109,25 @@ def convert(llama_cpp: Path, hf_dir: Path, out: Path, outtype: str) -> None:
         "        cls.get_vocab_base_pre = lambda self, tokenizer: 'qwen35'\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')"
     )
-    subprocess.run([sys.executable, "-c", code, str(llama_cpp), str(hf_dir), "--no-mtp", "--outtype", outtype,
-                    "--outfile", str(out)], check=True)
+    subprocess.run([sys.executable, "-c", code, str(llama_cpp), str(hf_dir), "--outtype", outtype,
+                    "--outfile", str(out), *args], check=True)
 
 
 def main() -> None:
     llama_cpp = Path(sys.argv[1]).resolve()
     out_dir = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "tests" / "fixtures" / "gguf"
     out_dir.mkdir(parents=True, exist_ok=True)
+    from mm import tokenizer_files as tf
+
     with tempfile.TemporaryDirectory() as tmp:
         for kind in KINDS:
             hf_dir = write_checkpoint(kind, Path(tmp) / kind)
             for outtype in OUTTYPES:
-                convert(llama_cpp, hf_dir, out_dir / f"{kind}-{outtype}.gguf", outtype)
+                convert(llama_cpp, hf_dir, out_dir / f"{kind}-{outtype}.gguf", outtype, "--no-mtp")
+        vl_dir = write_checkpoint("dense-vl", Path(tmp) / "dense-vl")
+        (vl_dir / "preprocessor_config.json").write_text(json.dumps(tf._REFERENCE_PREPROCESSOR_CONFIG, indent=2))
+        convert(llama_cpp, vl_dir, out_dir / "dense-vl-f32.gguf", "f32", "--no-mtp")
+        convert(llama_cpp, vl_dir, out_dir / "mmproj-dense-vl-f32.gguf", "f32", "--mmproj")  # (it refuses --no-mtp)
     for f in sorted(out_dir.glob("*.gguf")):
         print(f"{f.name}: {f.stat().st_size} bytes")
 

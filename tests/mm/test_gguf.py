@@ -306,15 +306,40 @@ def test_a_split_model_and_a_directory_holding_one_are_found(tmp_path):
     rewrite(FIXTURES / "dense-q8_0.gguf", tmp_path / "m.gguf", split_max_tensors=12)
     parts = sorted(tmp_path.glob("m-*.gguf"))
     assert [p.name for p in parts] == [f"m-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
-    (tmp_path / "mmproj-m-f16.gguf").write_bytes(b"not read")
+    (tmp_path / "mmproj-m-f32.gguf").symlink_to(FIXTURES / "mmproj-dense-vl-f32.gguf")
     whole = mm.load_model(FIXTURES / "dense-q8_0.gguf")
     x = ids()
     for path in (parts[0], parts[2], tmp_path):
         model = mm.load_model(path)
         assert torch.equal(model(x), whole(x)), path
+        assert (model.visual is not None) == (path == tmp_path)  # the mmproj beside it: found in the directory
     parts[1].unlink()
     with pytest.raises(WeightError, match="parts missing .*m-00002-of-00003.gguf"):
         mm.load_model(parts[0])
     (tmp_path / "other.gguf").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="holds 2 model GGUF files"):
         mm.load_model(tmp_path)
+
+
+def test_an_mmproj_file_gives_the_vision_tower_of_the_hf_checkpoint(tmp_path):
+    """dense-vl-f32.gguf + its mmproj (both from one VL checkpoint, by the converter): logits with an
+    image equal transformers'; the directory holding both is found without naming them."""
+    hf = gguf_fixtures.fixture_vl_model()
+    model = mm.load_model(FIXTURES / "dense-vl-f32.gguf", mmproj=FIXTURES / "mmproj-dense-vl-f32.gguf", compute="fp32")
+    c = model.config
+    assert model.visual is not None and c.image_token_id == hf.config.image_token_id
+    pixels = torch.randn(16, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(2))
+    grid = torch.tensor([[1, 4, 4]])
+    x = torch.tensor([[5, 9, c.vision_start_token_id] + [c.image_token_id] * 4 + [c.vision_end_token_id, 40, 41]])
+    types = (x == c.image_token_id).long()  # 1: image tokens (transformers' mm_token_type_ids)
+    ref = hf(input_ids=x, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=types).logits.detach()
+    assert rel_err(model(x, pixel_values=pixels, image_grid_thw=grid), ref) <= 1e-5
+    for f in ("dense-vl-f32.gguf", "mmproj-dense-vl-f32.gguf"):
+        (tmp_path / f).symlink_to(FIXTURES / f)
+    found = mm.load_model(tmp_path, compute="fp32")
+    assert found.visual is not None
+    assert torch.equal(found(x, pixel_values=pixels, image_grid_thw=grid), model(x, pixel_values=pixels, image_grid_thw=grid))
+    with pytest.raises(WeightError, match="architecture 'qwen35' is not supported here"):
+        mm.load_model(FIXTURES / "dense-vl-f32.gguf", mmproj=FIXTURES / "dense-f32.gguf")
+    with pytest.raises(ValueError, match="goes with a GGUF model file"):
+        mm.load_model(tmp_path / "nowhere", mmproj=FIXTURES / "mmproj-dense-vl-f32.gguf")
