@@ -343,3 +343,18 @@ def test_an_mmproj_file_gives_the_vision_tower_of_the_hf_checkpoint(tmp_path):
         mm.load_model(FIXTURES / "dense-vl-f32.gguf", mmproj=FIXTURES / "dense-f32.gguf")
     with pytest.raises(ValueError, match="goes with a GGUF model file"):
         mm.load_model(tmp_path / "nowhere", mmproj=FIXTURES / "mmproj-dense-vl-f32.gguf")
+
+
+def test_the_pipeline_answers_about_an_image_from_gguf_files(tmp_path):
+    from lm import SamplingParams
+
+    for f in ("dense-vl-f32.gguf", "mmproj-dense-vl-f32.gguf"):
+        (tmp_path / f).symlink_to(FIXTURES / f)
+    pipe = mm.Pipeline.from_pretrained(tmp_path)
+    image = (np.random.default_rng(0).random((64, 64, 3)) * 255).astype(np.uint8)
+    content = [{"type": "image", "image": image}, {"type": "text", "text": "What?"}]
+    inputs = pipe.processor([[{"role": "user", "content": content}]])
+    n_image = int((inputs.input_ids == pipe.model.config.image_token_id).sum())
+    assert n_image == int(inputs.image_grid_thw.prod()) // 4 > 0
+    [out] = pipe.generate([[{"role": "user", "content": content}]], SamplingParams(max_new_tokens=3, temperature=0))
+    assert out.prompt_tokens == inputs.input_ids.shape[1] and 1 <= out.completion_tokens <= 3
