@@ -93,7 +93,9 @@ def undo_float(kind: str, t: torch.Tensor, c: TextConfig) -> torch.Tensor:
         if reordered:
             t = torch.cat([t[:qk], _untile(t[qk:], 0, k, r, c.linear_value_head_dim)])
         return t[:, None, :]
-    return undo_rows(kind, t, c) if kind != "ssm_out.weight" or not reordered else _untile(t, 1, k, r, c.linear_value_head_dim)
+    if kind == "ssm_out.weight" and reordered:
+        return _untile(t, 1, k, r, c.linear_value_head_dim)  # its columns
+    return undo_rows(kind, t, c)
 
 
 def undo_rows(kind: str, t: torch.Tensor, c: TextConfig) -> torch.Tensor:
