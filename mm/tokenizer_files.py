@@ -63,7 +63,7 @@ TOKENIZER_SPECIAL_TOKENS: dict[str, int] = {
     "<tts_text_bos_single>": 248075,
     "<|audio_pad|>": 248076,
 }
-"""Added tokens of the real Qwen3.5 tokenizer, name -> id (checkpoints.md 5a)."""
+"""Added tokens of the real Qwen3.5 tokenizer, name -> id (as the real checkpoint ships them)."""
 
 # Added tokens that the Qwen tokenizers mark "special": false (kept by skip_special_tokens).
 _NOT_SPECIAL = {
@@ -133,13 +133,13 @@ _REFERENCE_PREPROCESSOR_CONFIG = {
     "processor_class": "Qwen3VLProcessor",
     "image_processor_type": "Qwen2VLImageProcessorFast",
 }
-"""preprocessor_config.json of Qwen3.5-35B-A3B (checkpoints.md 3a, /work/shared/reference)."""
+"""preprocessor_config.json of Qwen3.5-35B-A3B, as the real checkpoint ships it."""
 _REFERENCE_VIDEO_PREPROCESSOR_CONFIG = {
     **{k: v for k, v in _REFERENCE_PREPROCESSOR_CONFIG.items() if k != "image_processor_type"},
     "size": {"longest_edge": 25165824, "shortest_edge": 4096},
     "video_processor_type": "Qwen3VLVideoProcessor",
 }
-"""video_preprocessor_config.json of Qwen3.5-35B-A3B (checkpoints.md 3b): the image one with its own
+"""video_preprocessor_config.json of Qwen3.5-35B-A3B: the image one with its own
 pixel budget and processor type, keys in the same order as the published file."""
 
 
@@ -247,7 +247,7 @@ def _added_token(name: str, idx: int) -> dict:
 
 
 def tokenizer_config() -> dict:
-    """tokenizer_config.json contents (checkpoints.md 5a; the chat template lives in chat_template.jinja)."""
+    """tokenizer_config.json contents (as the real checkpoint ships it; the chat template lives in chat_template.jinja)."""
     return {
         "add_prefix_space": False,
         "added_tokens_decoder": {

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-# Values of the published Qwen3.5 / Qwen3.6 files (shared/reference/); used when a key is absent.
+# Values of the published Qwen3.5 / Qwen3.6 files; used when a key is absent.
 IMAGE_PIXELS = (65536, 16777216)  # size.shortest_edge, size.longest_edge (pixel counts)
 VIDEO_PIXELS = (4096, 25165824)
 

@@ -1,4 +1,4 @@
-"""The official Qwen3.5 chat template renders the format of checkpoints.md 5c; media collection and errors."""
+"""The official Qwen3.5 chat template renders the real checkpoint's format; media collection and errors."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_multi_turn_reasoning_kept_only_after_the_last_user_query(show):
 
 
 def test_non_thinking_prompt_tokens(show, tokenizer):
-    """checkpoints.md 5c: [248045, user, 198, ..., 248046, 198, 248045, assistant, 198, 248068, 271, 248069, 271]."""
+    """The real template's tokens: [248045, user, 198, ..., 248046, 198, 248045, assistant, 198, 248068, 271, 248069, 271]."""
     ids = tokenizer(show([user("Hi")], enable_thinking=False), add_special_tokens=False)["input_ids"]
 
     def enc(text):
