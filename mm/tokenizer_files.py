@@ -247,7 +247,7 @@ def _added_token(name: str, idx: int) -> dict:
 
 
 def tokenizer_config() -> dict:
-    """tokenizer_config.json contents (as the real checkpoint ships it; the chat template lives in chat_template.jinja)."""
+    """tokenizer_config.json contents, as the real checkpoint ships it (the chat template: chat_template.jinja)."""
     return {
         "add_prefix_space": False,
         "added_tokens_decoder": {

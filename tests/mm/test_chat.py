@@ -80,7 +80,7 @@ def test_multi_turn_reasoning_kept_only_after_the_last_user_query(show):
 
 
 def test_non_thinking_prompt_tokens(show, tokenizer):
-    """The real template's tokens: [248045, user, 198, ..., 248046, 198, 248045, assistant, 198, 248068, 271, 248069, 271]."""
+    """Tokens: [248045, user, 198, ..., 248046, 198, 248045, assistant, 198, 248068, 271, 248069, 271]."""
     ids = tokenizer(show([user("Hi")], enable_thinking=False), add_special_tokens=False)["input_ids"]
 
     def enc(text):
