@@ -13,6 +13,7 @@ being pickled and copied between processes.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from collections import deque
@@ -119,12 +120,21 @@ def parsed_caption(text: str, schema: str) -> Any:
 
     try:
         value = json.loads(text)
-        jsonschema.validate(value, json.loads(schema))
+        schema_validator(schema).validate(value)
     except json.JSONDecodeError as error:
         raise ValueError(f"the caption is not complete JSON for --json-schema: {error}") from None
     except jsonschema.ValidationError as error:
         raise ValueError(f"the caption does not follow --json-schema: {error.message}") from None
     return value
+
+
+@functools.cache
+def schema_validator(schema: str):
+    """The jsonschema validator of `schema` (JSON text), made once for every caption of a run."""
+    import jsonschema
+
+    parsed = json.loads(schema)
+    return jsonschema.validators.validator_for(parsed)(parsed)
 
 
 def error_record(item: Decoded, error: str) -> dict[str, Any]:

@@ -104,9 +104,7 @@ class GGUFFile:
 
         t = self.tensors[name]
         kind = t.tensor_type.name
-        if kind == "F32":
-            out = np.array(t.data, dtype=np.float32)
-        elif kind == "F16":
+        if kind in ("F32", "F16"):
             out = np.array(t.data, dtype=np.float32)
         elif kind == "BF16":
             raw = torch.from_numpy(np.array(t.data).view(np.uint16).astype(np.int16))

@@ -116,7 +116,7 @@ def load_gguf_model(path: str | Path, *, device: str | torch.device = "cpu", dty
         formats = {}
     vision = None
     if clip is not None and compact(device, dtype):
-        bf16 = clip.type_of("mm.0.weight") == "BF16" if "mm.0.weight" in clip.tensors else False
+        bf16 = "mm.0.weight" in clip.tensors and clip.type_of("mm.0.weight") == "BF16"
         vision = policy.vision_dtype(weights, torch.bfloat16 if bf16 else torch.float32)
     model = allocate(model, formats, device, vision)
     load_gguf_lm_weights(model.lm, file, formats)

@@ -97,7 +97,7 @@ class Pipeline:
         if path is None:  # the built-in model, as the front ends take it (mm/default_model.py)
             print(f"WARNING: {RANDOM_WEIGHTS_NOTICE}", file=sys.stderr, flush=True)
             path = default_model_path()
-        if (file := model_gguf(path)) is not None:  # a llama.cpp GGUF file: text-only, the tokenizer from its metadata
+        if (file := model_gguf(path)) is not None:  # a llama.cpp GGUF file: the tokenizer from its metadata
             processor = gguf_processor(file)
         else:
             ModelConfig.from_pretrained(path)
