@@ -45,6 +45,9 @@ class TextConfig:
     tie_word_embeddings: bool
     max_position_embeddings: int
     eos_token_id: tuple[int, ...] = field(default=())
+    # multi-token prediction (lm/mtp.py): the checkpoint's `mtp.*` layers
+    mtp_num_hidden_layers: int = 0
+    mtp_use_dedicated_embeddings: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -113,6 +116,8 @@ def _text_fields(text: dict, is_moe: bool) -> dict:
         shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 0)) if is_moe else 0,
         max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
         eos_token_id=_ids(text.get("eos_token_id")),
+        mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
+        mtp_use_dedicated_embeddings=bool(text.get("mtp_use_dedicated_embeddings", False)),
         **rope,
     )
     _validate(text, fields, is_moe)

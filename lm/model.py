@@ -12,6 +12,7 @@ from .decode import decode_layers, decode_logits
 from .decoder import DecoderLayer
 from .formats import gather_rows
 from .linear import Linear
+from .mtp import MTPLayer
 from .norm import RMSNorm
 from .rotary import MRotaryEmbedding
 
@@ -54,7 +55,17 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = TextModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp: MTPLayer | None = None  # the checkpoint's MTP layer, when loaded (`add_mtp`)
+        self.num_speculative_tokens = 0  # tokens the MTP layer drafts per step in generation (0: off)
         self.tie_weights()
+
+    def add_mtp(self, num_speculative_tokens: int = 1) -> None:
+        """Give the model its MTP layer (lm/mtp.py, parameters `mtp.*`; build on the meta device before
+        allocating) and draft `num_speculative_tokens` (1..3) tokens per generation step with it."""
+        if not 1 <= num_speculative_tokens <= 3:
+            raise ValueError(f"num_speculative_tokens must be 1, 2 or 3, got {num_speculative_tokens}")
+        self.mtp = MTPLayer(self.config)
+        self.num_speculative_tokens = num_speculative_tokens
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -103,10 +114,32 @@ class CausalLM(nn.Module):
             if (logits := decode_logits(self, input_ids, positions, cache)) is not None:
                 cache.advance(t)
                 return logits
-        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        real = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
-        hidden = self.model(x, positions, cache, real)
-        cache.advance(t)
+        hidden = self._layers(input_ids, inputs_embeds, positions, attention_mask, cache)
         if last_only:
             hidden = hidden[:, -1:]
         return self.lm_head(hidden)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor | None = None,
+        *,
+        inputs_embeds: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache,
+    ) -> torch.Tensor:
+        """The final-normed hidden states [B, T, hidden] (what the LM head reads) of the next T tokens,
+        written into `cache`; arguments as `forward`'s."""
+        t = (input_ids if inputs_embeds is None else inputs_embeds).shape[1]
+        cache.begin(attention_mask, t)
+        if positions is None:
+            positions = text_positions(cache, t)
+        return self._layers(input_ids, inputs_embeds, positions, attention_mask, cache)
+
+    def _layers(self, input_ids, inputs_embeds, positions, attention_mask, cache: Cache) -> torch.Tensor:
+        """The decoder over T tokens whose positions `cache` has reserved; advances the cache."""
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        real = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
+        hidden = self.model(x, positions, cache, real)
+        cache.advance(x.shape[1])
+        return hidden

@@ -7,7 +7,8 @@
     model.X                 (CausalLM checkpoints) -> model.X
     lm_head.weight                                  -> lm_head.weight (absent when embeddings are tied)
     ...experts.{e}.{gate,up,down}_proj.weight       -> stacked into experts.gate_up_proj / down_proj
-    mtp.*                                           -> not the LM's: mm.load_model skips it (MTP unused)
+    mtp.*                                           -> mtp.* (the MTP layer, lm/mtp.py), read only when
+                                                       the model has one (`CausalLM.add_mtp`), else skipped
 
 Large weights may be stored in a compact format (lm/formats): `use_formats` gives their parameters
 the storage of their format before the model is allocated, and each tensor is converted as it is
@@ -32,7 +33,8 @@ INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype codes of the tensors this project reads and writes
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
                       "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8, "U16": torch.uint16}  # U16: bf16 rows in groups of 8 (weight cache)
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+MTP_PREFIX = "mtp."  # the multi-token-prediction layer's tensors (lm/mtp.py)
 
 
 class WeightError(ValueError):
@@ -129,7 +131,7 @@ def lm_param_name(ckpt_name: str) -> str | None:
         return "model." + ckpt_name[len("model.language_model.") :]
     if ckpt_name.startswith("model.visual."):
         return None
-    if ckpt_name.startswith("model.") or ckpt_name == "lm_head.weight":
+    if ckpt_name.startswith(("model.", MTP_PREFIX)) or ckpt_name == "lm_head.weight":
         return ckpt_name
     return None
 
@@ -174,8 +176,8 @@ def load_lm_weights(lm: nn.Module, reader: CheckpointReader, formats: dict[str, 
     vl_family = False
     for ckpt_name in reader.keys():
         name = lm_param_name(ckpt_name)
-        if name is None:
-            continue
+        if name is None or (name.startswith(MTP_PREFIX) and lm.mtp is None):
+            continue  # not the LM's, or the MTP layer of a model loaded without it
         used.add(ckpt_name)
         vl_family |= ckpt_name.startswith("model.language_model.")
         if tied and name == "lm_head.weight":

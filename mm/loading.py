@@ -17,14 +17,14 @@ from lm.linear import Linear
 from lm.moe import Experts
 from lm.storage import allocate_lm, checkpoint_dtype, compact, plan_formats, settle_memory
 from lm.weight_cache import WeightCache
-from lm.weights import lm_param_name
+from lm.weights import MTP_PREFIX, lm_param_name
 from vision import load_vision_weights
 
 from .config import ModelConfig, read_config_json
 from .gguf_loading import load_gguf_model, mmproj_beside, model_gguf
 from .model import VLModel
 
-MTP_PREFIX = "mtp."  # multi-token-prediction head: in real checkpoints, not used here
+SPECULATIVE = (None, "mtp")  # the draft methods of `speculative=`
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:
@@ -34,7 +34,8 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                weights: str = "auto", compute: str = "auto", dequantize_unsupported: bool = False,
-               mmproj: str | Path | None = None) -> VLModel:
+               mmproj: str | Path | None = None, speculative: str | None = None,
+               num_speculative_tokens: int = 1) -> VLModel:
     """Load `config.json` and the safetensors weights (single file or shards) of a Qwen3.5 checkpoint.
 
     Tensors are streamed one at a time into a model allocated once on `device`, each converted to
@@ -55,8 +56,19 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     mm.gguf_loading.model_gguf) loads through mm.gguf_loading, with the vision tower of its `mmproj`
     file (or the one `mmproj*.gguf` beside it in that directory), else text-only;
     `dequantize_unsupported` lets it dequantize tensor types we do not store (K-quants, ...).
+
+    `speculative="mtp"` also loads the checkpoint's multi-token-prediction layer (`mtp.*`, lm/mtp.py;
+    stored in the formats the spec gives its parts) and makes greedy generation draft
+    `num_speculative_tokens` (1..3) tokens per step with it (lm/serving/speculative.py); a
+    checkpoint without `mtp.*` tensors is refused with their names. Off by default: `mtp.*` is
+    then skipped.
     """
+    if speculative not in SPECULATIVE:
+        raise ValueError(f"speculative={speculative!r}: choose None (off) or 'mtp'")
     if (file := model_gguf(path)) is not None:
+        if speculative is not None:
+            raise ValueError(f"speculative={speculative!r} reads the mtp.* tensors of a safetensors checkpoint; "
+                             f"{file} is a GGUF file")  # fmt: skip
         return load_gguf_model(file, device=device, dtype=dtype, weights=weights, compute=compute,
                                dequantize_unsupported=dequantize_unsupported, mmproj=mmproj or mmproj_beside(path))
     if mmproj is not None:
@@ -70,13 +82,18 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     reader = CheckpointReader(path, fp8_block=_fp8_block(raw, path))
     with torch.device("meta"):
         model = VLModel(config)
+        if speculative == "mtp":
+            model.lm.add_mtp(num_speculative_tokens)
+            _check_mtp_tensors(model.lm, reader)
     model = model.to(dtype=dtype)
     formats = plan_formats(model.lm, reader, weights, device, dtype)
     vision = policy.vision_dtype(weights, checkpoint_dtype(reader)) if compact(device, dtype) else None
     model = allocate(model, formats, device, vision)
-    cache = WeightCache(path, weights) if any(f.blocked for f in formats.values()) else None
+    spec = weights if speculative is None else f"{weights};mtp"  # the cache entry holds the MTP layer too
+    cache = WeightCache(path, spec) if any(f.blocked for f in formats.values()) else None
     if cache is not None and cache.load_into(model.lm):  # converted at an earlier start
-        used = {k for k in reader.keys() if lm_param_name(k) is not None}
+        used = {k for k in reader.keys() if lm_param_name(k) is not None
+                and (speculative is not None or not k.startswith(MTP_PREFIX))}
     else:
         used = load_lm_weights(model.lm, reader, formats)
         if cache is not None:
@@ -94,6 +111,17 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     model.generation_config = _generation_config(path)
     release_openmp_workers()  # generation may run on another thread (lm.kernels.release_openmp_workers)
     return model.eval().requires_grad_(False)
+
+
+def _check_mtp_tensors(lm, reader: CheckpointReader) -> None:
+    """Refuse a checkpoint that has no MTP layer, naming the tensors it lacks (partial layers fail
+    in load_lm_weights, which names each missing tensor)."""
+    if any(k.startswith(MTP_PREFIX) for k in reader.keys()):
+        return
+    names = [f"mtp.{n}" for n, _ in lm.mtp.named_parameters()]
+    shown = ", ".join(names[:8]) + (f" (and {len(names) - 8} more)" if len(names) > 8 else "")
+    raise WeightError(f"speculative='mtp' needs the checkpoint's multi-token-prediction layer, but "
+                      f"{reader.path} has no mtp.* tensors: missing {shown}")
 
 
 def set_compute(compute: str, model: VLModel) -> None:

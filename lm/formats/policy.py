@@ -14,6 +14,8 @@ Parts (the large weights, streamed by every decode step):
     deltanet       the Gated DeltaNet in_proj_qkv, in_proj_z and out_proj
     mlp            the dense MLP projections (dense models)
     lm_head        the LM head
+    mtp            the MTP layer's fc [H, 2H] (lm/mtp.py; the weights of its decoder layer take the
+                   parts above, as the main layers' do)
     embed          the embedding table: fp32 or bf16 only (rows are gathered, not streamed); with an
                    int8/int4 base it stays bf16
     router         the MoE router (mlp.gate): fp32 or bf16 only; "auto" (bf16 for a bf16 checkpoint:
@@ -37,7 +39,8 @@ import torch
 
 from . import BF16, BF16_G8, FORMATS, FP32, Format
 
-PARTS = ("experts", "shared_expert", "attention", "deltanet", "mlp", "lm_head", "embed", "vision", "router")
+PARTS = ("experts", "shared_expert", "attention", "deltanet", "mlp", "lm_head", "embed", "vision", "router",
+         "mtp")
 _FLOAT_ONLY = ("embed", "vision", "router")  # parts that take no block format
 CHOICES = ("auto", "fp32", "bf16", "int8", "int4")
 _PART_OF = [
@@ -47,6 +50,7 @@ _PART_OF = [
     (re.compile(r"\.linear_attn\.(in_proj_qkv|in_proj_z|out_proj)\.weight$"), "deltanet"),
     (re.compile(r"\.mlp\.(gate|up|down)_proj\.weight$"), "mlp"),
     (re.compile(r"^lm_head\.weight$"), "lm_head"),
+    (re.compile(r"^mtp\.fc\.weight$"), "mtp"),
     (re.compile(r"\.embed_tokens\.weight$"), "embed"),
     (re.compile(r"\.mlp\.gate\.weight$"), "router"),
 ]
