@@ -59,6 +59,10 @@ class LinearSlot:
 
     def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor):
         self.conv, self.recurrent = conv, recurrent
+        # during a verify forward (Cache.begin_verify): the state after each token but the last, and
+        # the conv's inputs (the window before the forward, then each token's), for Cache.commit
+        self.steps: list[torch.Tensor] | None = None
+        self.conv_inputs: torch.Tensor | None = None
 
 
 class Cache:
@@ -70,6 +74,7 @@ class Cache:
         self.lengths: torch.Tensor | None = None  # int64 [B] when ragged (see `ragged`)
         self.key_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.padded = False  # whether key_mask may mark a written position as padding (see begin)
+        self.verify_start: int | None = None  # the write position before a verify forward (begin_verify)
         self.slots: dict[int, KVSlot | LinearSlot] = {}
         kv_shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
         conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
@@ -95,7 +100,7 @@ class Cache:
         self.max_len, self.length, self.lengths = max_len, length, None
         first = next(iter({**kv, **linear}.values()))[0]
         self.key_mask = torch.ones(first.shape[0], max_len, dtype=torch.bool, device=first.device)
-        self.padded = False
+        self.padded, self.verify_start = False, None
         slots = {i: KVSlot(self, k, v) for i, (k, v) in kv.items()}
         self.slots = dict(sorted({**slots, **{i: LinearSlot(*pair) for i, pair in linear.items()}}.items()))
         return self
@@ -154,6 +159,51 @@ class Cache:
         if self.lengths is not None:
             self.lengths += num_tokens
         self.length += num_tokens
+
+    def begin_verify(self) -> None:
+        """Make the next forward a verify of speculative tokens: its DeltaNet layers keep each token's
+        state (lm/gated_deltanet.py), so that `commit` can keep any prefix of its tokens."""
+        self.verify_start = self.length
+        for slot in self.slots.values():
+            if isinstance(slot, LinearSlot):
+                slot.steps, slot.conv_inputs = [], None
+
+    def commit(self, kept: int) -> None:
+        """Keep the first `kept` (>= 1) tokens of the forward since `begin_verify` and leave the state
+        exactly as if the others had never been seen: each DeltaNet layer's recurrent state and conv
+        window become those after token `kept`, the KV positions after it are zeroed and unmasked.
+        Costs one copy of each DeltaNet state when tokens are dropped, nothing when all are kept."""
+        start = self.verify_start
+        total = self.length - start
+        if not 1 <= kept <= total:
+            raise ValueError(f"cannot keep {kept} of the {total} tokens of a verify forward")
+        for slot in self.slots.values():
+            if isinstance(slot, LinearSlot):
+                if kept < total:
+                    slot.recurrent.copy_(slot.steps[kept - 1])
+                    slot.conv.copy_(slot.conv_inputs[:, kept : kept + slot.conv.shape[1]])
+                slot.steps, slot.conv_inputs = None, None
+        self.verify_start = None
+        self._drop_positions(start + kept)
+
+    def truncate(self, length: int) -> None:
+        """Forget the positions from `length` on of a cache whose layers are all full attention (the
+        MTP layer's), as if they had never been written."""
+        if any(isinstance(slot, LinearSlot) for slot in self.slots.values()):
+            raise ValueError("a DeltaNet state cannot be truncated; verify with begin_verify / commit")
+        self._drop_positions(length)
+
+    def _drop_positions(self, length: int) -> None:
+        """Zero and unmask the KV positions from `length` on; `length` becomes the write position."""
+        if self.lengths is not None:
+            raise ValueError("a ragged cache cannot drop positions")
+        if length < self.length:
+            for slot in self.slots.values():
+                if isinstance(slot, KVSlot):
+                    slot.k[:, :, length : self.length] = 0
+                    slot.v[:, :, length : self.length] = 0
+            self.key_mask[:, length : self.length] = False
+        self.length = length
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only the given batch rows (e.g. drop finished sequences), in that order."""

@@ -81,6 +81,22 @@ def gated_delta_step(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tenso
     return out.transpose(1, 2).to(dtype), state
 
 
+def stepwise_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, steps: list[torch.Tensor]
+                              ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The recurrent form as T decode steps (`gated_delta_step`, the float32 `state` updated IN PLACE),
+    appending a copy of the state after each token but the last to `steps`: a speculative verify
+    forward keeps every prefix's state this way (lm/cache.py `Cache.commit`). Arguments and results
+    as `recurrent_gated_delta_rule`'s. Costs T - 1 copies of the state beside the T steps."""
+    outs = []
+    for i in range(v.shape[1]):
+        one = slice(i, i + 1)
+        out, state = gated_delta_step(q[:, one], k[:, one], v[:, one], g[:, one], beta[:, one], state)
+        outs.append(out)
+        if i + 1 < v.shape[1]:
+            steps.append(state.clone())
+    return torch.cat(outs, dim=1), state
+
+
 def chunked_gated_delta_rule(
     q, k, v, g, beta, state: torch.Tensor, chunk_size: int = CHUNK_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor]:

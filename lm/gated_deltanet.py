@@ -9,7 +9,7 @@ from torch import nn
 from . import kernels
 from .cache import LinearSlot
 from .config import TextConfig
-from .delta_rule import chunked_gated_delta_rule, gated_delta_step
+from .delta_rule import chunked_gated_delta_rule, gated_delta_step, stepwise_gated_delta_rule
 from .linear import Linear
 from .norm import GatedRMSNorm
 
@@ -56,7 +56,10 @@ class GatedDeltaNet(nn.Module):
         b, t, _ = x.shape
         if real is not None:  # padding contributes nothing to the conv window or the state
             x = x * real[..., None].to(x.dtype)
-        qkv, slot.conv = causal_conv(self.in_proj_qkv(x), slot.conv, self.conv1d.weight[:, 0])
+        mixed = self.in_proj_qkv(x)  # [B, T, conv_dim]
+        if slot.steps is not None:  # a verify forward: keep the conv's inputs for Cache.commit
+            slot.conv_inputs = torch.cat([slot.conv, mixed], dim=1)
+        qkv, slot.conv = causal_conv(mixed, slot.conv, self.conv1d.weight[:, 0])
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(b, t, self.num_k_heads, self.head_k_dim)
         k = k.reshape(b, t, self.num_k_heads, self.head_k_dim)
@@ -65,8 +68,11 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         if real is not None:
             g, beta = g * real[..., None], beta * real[..., None]
-        rule = gated_delta_step if t == 1 else chunked_gated_delta_rule
-        out, slot.recurrent = rule(q, k, v, g, beta, slot.recurrent)  # [B, T, Hv, Dv]
+        if slot.steps is not None:  # a verify forward: token by token, each prefix's state kept
+            out, slot.recurrent = stepwise_gated_delta_rule(q, k, v, g, beta, slot.recurrent, slot.steps)
+        else:
+            rule = gated_delta_step if t == 1 else chunked_gated_delta_rule
+            out, slot.recurrent = rule(q, k, v, g, beta, slot.recurrent)  # [B, T, Hv, Dv]
         z = self.in_proj_z(x).reshape(b, t, self.num_v_heads, self.head_v_dim)
         out = self.norm(out, z).reshape(b, t, self.value_dim)
         return self.out_proj(out)

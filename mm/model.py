@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lm import CausalLM, SamplingParams, TokenEvent, stream_generate
+from lm.serving import SpeculativeStats
 from vision import VisionModel
 
 from .config import ModelConfig
@@ -90,8 +91,10 @@ class VLModel(nn.Module):
         video_grid_thw: torch.Tensor | None = None,
         eos_token_ids: tuple[int, ...] | None = None,
         stop_when: Callable[[int, list[int]], bool] | None = None,
+        stats: SpeculativeStats | None = None,
     ) -> Iterator[TokenEvent]:
-        """Generate with the cache for a left-padded batch; yields each token as it is sampled."""
+        """Generate with the cache for a left-padded batch; yields each token as it is sampled.
+        (With the MTP layer loaded, `stats` counts the speculative drafts: lm.serving.speculative.)"""
         with torch.no_grad():
             embeds, positions = self.embed(
                 input_ids, attention_mask, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
@@ -99,7 +102,7 @@ class VLModel(nn.Module):
         eos = self.eos_token_ids() if eos_token_ids is None else eos_token_ids
         yield from stream_generate(
             self.lm, input_ids, params, attention_mask=attention_mask, inputs_embeds=embeds,
-            positions=positions, eos_token_ids=eos, stop_when=stop_when,
+            positions=positions, eos_token_ids=eos, stop_when=stop_when, stats=stats,
         )
 
     def generate(

@@ -9,6 +9,7 @@ prefix cache) and synchronous batched generation, on one generation core.
     request.py       Prompt, Request and their errors
     config.py        EngineConfig: every engine option and its default, written once
     generate.py      stream_generate / generate: one left-padded batch, synchronously
+    speculative.py   greedy speculative decoding with the MTP layer (batch 1, under stream_generate)
 
 `Engine(lm)` runs one background thread that owns the model. Any thread may `submit` a request
 (its prompt and its own `SamplingParams`) and iterate the returned `Request` for its tokens as they
@@ -48,8 +49,9 @@ from .config import EngineConfig, default_prefix_cache_bytes
 from .engine import Engine
 from .generate import TokenEvent, generate, stream_generate
 from .request import EngineClosedError, Prompt, Request, RequestTooLargeError
+from .speculative import SpeculativeStats
 
 __all__ = [
-    "Engine", "EngineClosedError", "EngineConfig", "Prompt", "Request", "RequestTooLargeError", "TokenEvent",
-    "default_prefix_cache_bytes", "generate", "stream_generate",
+    "Engine", "EngineClosedError", "EngineConfig", "Prompt", "Request", "RequestTooLargeError", "SpeculativeStats",
+    "TokenEvent", "default_prefix_cache_bytes", "generate", "stream_generate",
 ]

@@ -18,7 +18,9 @@ from .. import kernels
 from ..model import CausalLM
 from ..sampling import Sampler, SamplingParams
 from . import runner
+from ..kernels.compute import say_once
 from .config import EngineConfig
+from .speculative import SpeculativeStats, generate_speculative
 
 
 @dataclass(frozen=True)
@@ -43,14 +45,23 @@ def stream_generate(
     prefill_chunk: int = EngineConfig.prefill_chunk,
     max_len: int | None = None,
     stop_when: Callable[[int, list[int]], bool] | None = None,
+    stats: SpeculativeStats | None = None,
 ) -> Iterator[TokenEvent]:
     """Generate for a left-padded batch `input_ids` [B, T]; yields tokens as they are sampled.
 
     `inputs_embeds` [B, T, hidden] replaces the token embeddings (e.g. with vision features fused in);
     `positions` [3, B, T] are the prompt's mRoPE positions (default: text positions).
     `stop_when(row, tokens)` may end a row early (e.g. on a stop string); it finishes with "stop".
+    A model loaded with its MTP layer (`lm.num_speculative_tokens` > 0) decodes a greedy prompt of
+    batch 1 speculatively (speculative.py), with the same tokens; `stats` then counts its drafts.
     """
     try:
+        if lm.num_speculative_tokens and (why := _no_speculation(input_ids.shape[0], params)) is not None:
+            say_once(f"no-speculation-{why}", f"speculative decoding does not apply to {why}; decoding token by token")
+        elif lm.num_speculative_tokens:
+            yield from _speculative(lm, input_ids, params, attention_mask, inputs_embeds, positions, eos_token_ids,
+                                    prefill_chunk, max_len, stop_when, stats or SpeculativeStats())
+            return
         yield from _generate(lm, input_ids, params, attention_mask, inputs_embeds, positions, eos_token_ids,
                              prefill_chunk, max_len, stop_when)
     finally:  # the next generation may run on another thread (kernels.release_openmp_workers)
@@ -92,6 +103,33 @@ def _generate(lm, input_ids, params, attention_mask, inputs_embeds, positions, e
             positions = [positions[i] for i in alive]
         logits, _ = runner.decode(lm, cache, tokens, positions)
         positions = [p + 1 for p in positions]
+
+
+def _no_speculation(batch: int, params: SamplingParams | list[SamplingParams]) -> str | None:
+    """Why speculative decoding cannot run this generation, or None."""
+    params = list(params) if isinstance(params, (list, tuple)) else [params]
+    if batch != 1:
+        return "a batch of several rows in stream_generate"
+    if not params[0].greedy or params[0].logprobs is not None or params[0].constrained:
+        return "sampling, logprobs or constraints (it drafts for greedy decoding)"
+    return None
+
+
+def _speculative(lm, input_ids, params, attention_mask, inputs_embeds, positions, eos_token_ids, prefill_chunk,
+                 max_len, stop_when, stats) -> Iterator[TokenEvent]:  # fmt: skip
+    """One greedy row through speculative.generate_speculative, its left padding dropped."""
+    params = params[0] if isinstance(params, (list, tuple)) else params
+    if attention_mask is not None and not bool(attention_mask.all()):
+        real = attention_mask[0].bool()
+        input_ids = input_ids[:, real]
+        inputs_embeds = None if inputs_embeds is None else inputs_embeds[:, real]
+        positions = None if positions is None else positions[:, :, real]
+    stop = None if stop_when is None else (lambda tokens: stop_when(0, tokens))
+    for token, reason in generate_speculative(
+        lm, input_ids, params, inputs_embeds=inputs_embeds, positions=positions, eos_token_ids=eos_token_ids,
+        prefill_chunk=prefill_chunk, max_len=max_len, stop_when=stop, stats=stats,
+    ):
+        yield TokenEvent(0, token, reason)
 
 
 def generate(lm: CausalLM, input_ids: torch.Tensor, params, **kwargs) -> list[list[int]]:

@@ -1,0 +1,286 @@
+"""The MTP layer (lm/mtp.py), its loading, and greedy speculative decoding with it
+(lm/serving/speculative.py): the same tokens as without it, and a rollback that leaves no trace."""
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+import mm
+from lm import SamplingParams, WeightError, generate, stream_generate
+from lm.cache import KVSlot
+from lm.serving import SpeculativeStats, speculative
+from tests import tiny
+
+PROMPT = torch.randint(3, 500, (1, 21), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(checkpoints, tmp_path_factory):
+    """(kind, fused_experts) -> a tiny checkpoint directory with an MTP layer, built once."""
+    made = {}
+
+    def make(kind: str, fused_experts: bool = True):
+        if (kind, fused_experts) not in made:
+            hf, _ = checkpoints(kind)
+            path = tiny.save(hf, tmp_path_factory.mktemp(f"mtp-{kind}"))
+            made[kind, fused_experts] = tiny.add_mtp(path, fused_experts=fused_experts)
+        return made[kind, fused_experts]
+
+    return make
+
+
+def _rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w)
+
+
+def _rotary(x, positions, cfg):
+    """x [T, heads, D]: the first rotary_dim dims rotated (rotate-half) at text positions [T]."""
+    rot = cfg.rotary_dim
+    inv = cfg.rope_theta ** (-torch.arange(0, rot, 2, dtype=torch.float64) / rot)
+    angles = positions[:, None].double() * inv
+    cos, sin = (f(torch.cat([angles, angles], -1)).float()[:, None] for f in (torch.cos, torch.sin))
+    r = x[..., :rot]
+    half = torch.cat([-r[..., rot // 2 :], r[..., : rot // 2]], -1)
+    return torch.cat([r * cos + half * sin, x[..., rot:]], -1)
+
+
+def _attention(a, x, positions, cfg):
+    t, d, heads, kv = x.shape[0], cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    q, gate = (x @ a.q_proj.weight.T).view(t, heads, 2 * d).split(d, -1)
+    k, v = (x @ a.k_proj.weight.T).view(t, kv, d), (x @ a.v_proj.weight.T).view(t, kv, d)
+    q = _rotary(_rms(q, a.q_norm.weight), positions, cfg)
+    k = _rotary(_rms(k, a.k_norm.weight), positions, cfg).repeat_interleave(heads // kv, 1)
+    v = v.repeat_interleave(heads // kv, 1)
+    scores = torch.einsum("thd,shd->hts", q, k) * d**-0.5
+    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+    out = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(t, heads * d)
+    return (out * torch.sigmoid(gate.reshape(t, -1))) @ a.o_proj.weight.T
+
+
+def _swiglu(m, x):
+    return (F.silu(x @ m.gate_proj.weight.T) * (x @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+
+
+def _mlp(mlp, x, cfg):
+    if not cfg.is_moe:
+        return _swiglu(mlp, x)
+    probs = (x @ mlp.gate.weight.T).softmax(-1)
+    top = probs.topk(cfg.num_experts_per_tok, -1)
+    weights = top.values / top.values.sum(-1, keepdim=True)
+    out = _swiglu(mlp.shared_expert, x) * torch.sigmoid(x @ mlp.shared_expert_gate.weight.T)
+    for t in range(x.shape[0]):
+        for e, w in zip(top.indices[t].tolist(), weights[t]):
+            gate, up = (mlp.experts.gate_up_proj[e] @ x[t]).chunk(2)
+            out[t] += w * (mlp.experts.down_proj[e] @ (F.silu(gate) * up))
+    return out
+
+
+def _mtp_equations(mtp, embeds, hidden, positions, cfg):
+    """The MTP layer written out (lm/mtp.py's docstring): one sequence, float32, no cache."""
+    x = torch.cat([_rms(embeds, mtp.pre_fc_norm_embedding.weight), _rms(hidden, mtp.pre_fc_norm_hidden.weight)], -1)
+    x = x @ mtp.fc.weight.T
+    layer = mtp.layers[0]
+    x = x + _attention(layer.self_attn, _rms(x, layer.input_layernorm.weight), positions, cfg)
+    x = x + _mlp(layer.mlp, _rms(x, layer.post_attention_layernorm.weight), cfg)
+    return _rms(x, mtp.norm.weight)
+
+
+@pytest.mark.parametrize("kind", ["moe_text", "dense_vl"])
+def test_mtp_layer_equals_its_equations(mtp_checkpoint, kind):
+    """A prefill of 7 positions then a decode step through the layer's own KV cache, against the
+    equations over all 8 at once (float32; max error 1e-5 of the largest output)."""
+    lm = mm.load_model(mtp_checkpoint(kind), speculative="mtp").lm
+    cfg, g = lm.config, torch.Generator().manual_seed(3)
+    embeds, hidden = (torch.randn(1, 8, cfg.hidden_size, generator=g) for _ in range(2))
+    positions = torch.arange(4, 12)
+    rope = [lm.model.rotary_emb(positions[None, None, s].expand(3, 1, -1), torch.float32) for s in (slice(0, 7),
+                                                                                                    slice(7, 8))]
+    cache = lm.mtp.make_cache(1, 8)
+    with torch.no_grad():
+        ours = torch.cat([lm.mtp(embeds[:, :7], hidden[:, :7], rope[0], cache),
+                          lm.mtp(embeds[:, 7:], hidden[:, 7:], rope[1], cache)], dim=1)[0]  # fmt: skip
+        ref = _mtp_equations(lm.mtp, embeds[0], hidden[0], positions, cfg)
+    assert cache.length == 8
+    assert float((ours - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+def test_mtp_weights_load_per_expert_or_fused_and_in_compact_formats(mtp_checkpoint):
+    fused = mm.load_model(mtp_checkpoint("moe_text"), speculative="mtp").lm.mtp
+    split = mm.load_model(mtp_checkpoint("moe_text", fused_experts=False), speculative="mtp").lm.mtp
+    ours, theirs = dict(fused.named_parameters()), dict(split.named_parameters())
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours)
+    int8 = mm.load_model(mtp_checkpoint("moe_text"), speculative="mtp", weights="int8").lm
+    stored = {n: p.dtype for n, p in int8.mtp.named_parameters()}
+    for name in ("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.experts.gate_up_proj"):
+        assert stored[name] == int8.model.layers[3].self_attn.q_proj.weight.dtype != torch.float32, name
+    assert stored["norm.weight"] == torch.float32
+    assert len(generate(int8, PROMPT, SamplingParams(max_new_tokens=6))[0]) == 6
+
+
+def test_mtp_is_skipped_unless_asked(mtp_checkpoint):
+    lm = mm.load_model(mtp_checkpoint("dense_vl")).lm
+    assert lm.mtp is None and lm.num_speculative_tokens == 0
+    assert not any(n.startswith("mtp.") for n, _ in lm.named_parameters())
+
+
+def test_a_checkpoint_without_mtp_is_refused_by_name(checkpoints, mtp_checkpoint, tmp_path):
+    with pytest.raises(WeightError, match=r"no mtp\.\* tensors: missing mtp\.pre_fc_norm_embedding\.weight.*mtp\.fc\.weight"):
+        mm.load_model(checkpoints("moe_text")[1], speculative="mtp")
+    shutil.copytree(mtp_checkpoint("dense_vl"), tmp_path / "partial")
+    tensors = load_file(str(tmp_path / "partial" / "model.safetensors"))
+    del tensors["mtp.layers.0.mlp.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "partial" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WeightError, match=r"missing 1 .*mtp\.layers\.0\.mlp\.up_proj\.weight"):
+        mm.load_model(tmp_path / "partial", speculative="mtp")
+    with pytest.raises(ValueError, match="speculative"):
+        mm.load_model(tmp_path / "partial", speculative="eagle")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        mm.load_model(mtp_checkpoint("dense_vl"), speculative="mtp", num_speculative_tokens=4)
+
+
+@pytest.mark.parametrize("kind", ["moe_text", "dense_vl"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_output_with_mtp_equals_without(mtp_checkpoint, kind, k):
+    path = mtp_checkpoint(kind)
+    plain = generate(mm.load_model(path).lm, PROMPT, SamplingParams(max_new_tokens=30))[0]
+    lm = mm.load_model(path, speculative="mtp", num_speculative_tokens=k).lm
+    stats = SpeculativeStats()
+    assert generate(lm, PROMPT, SamplingParams(max_new_tokens=30), stats=stats)[0] == plain
+    assert stats.steps <= stats.drafted <= k * stats.steps
+    assert stats.tokens_per_step == (stats.accepted + stats.steps) / stats.steps
+    if stats.accepted == 0:  # (random weights: the drafts are wrong) token 1 from the prompt, then a step
+        # per token, drafting min(k, tokens left - 1), and a last step without drafts
+        assert stats.steps == 28 and stats.drafted == sum(min(k, 29 - n) for n in range(1, 29))
+
+
+def _forced_drafts(monkeypatch, truth: list[int], prompt_len: int, wrong_last: bool = False) -> list[int]:
+    """Make the drafts the true greedy continuation `truth` (the MTP layer still runs, so its cache
+    moves as in a real run); with `wrong_last`, each step's last draft of several is wrong. Returns
+    the list of draft counts, one per step."""
+    real, counts = speculative.draft, []
+
+    def forced(lm, mtp_cache, embeds, hidden, positions, k, next_position):
+        real(lm, mtp_cache, embeds, hidden, positions, k, next_position)
+        start = next_position - prompt_len + 1  # the index in `truth` of the token after next_position's
+        drafts = truth[start : start + k]
+        if wrong_last and k > 1:
+            drafts[-1] = (drafts[-1] + 1) % 512
+        counts.append(k)
+        return drafts
+
+    monkeypatch.setattr(speculative, "draft", forced)
+    return counts
+
+
+@pytest.mark.parametrize("kind", ["moe_text", "dense_vl"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_right_drafts_are_accepted_and_commit_several_tokens(monkeypatch, mtp_checkpoint, kind, k):
+    path = mtp_checkpoint(kind)
+    plain = generate(mm.load_model(path).lm, PROMPT, SamplingParams(max_new_tokens=30))[0]
+    lm = mm.load_model(path, speculative="mtp", num_speculative_tokens=k).lm
+    counts = _forced_drafts(monkeypatch, plain, PROMPT.shape[1])
+    stats = SpeculativeStats()
+    events = list(stream_generate(lm, PROMPT, SamplingParams(max_new_tokens=30), stats=stats))
+    assert [e.token for e in events] == plain
+    assert [e.finish_reason for e in events] == [None] * 29 + ["length"]
+    assert stats.accepted == stats.drafted == sum(counts) and stats.steps == len(counts)
+    assert max(counts) == k and stats.acceptance == 1.0
+    made = 1 + sum(c + 1 for c in counts)  # the prompt's token, then k + 1 a step
+    assert made in (29, 30)  # (29: a last step without drafts)
+    assert stats.tokens_per_step == (sum(counts) + len(counts)) / len(counts)
+
+
+@pytest.mark.parametrize("kind", ["moe_text", "dense_vl"])
+def test_partly_right_drafts_roll_back_and_keep_the_output(monkeypatch, mtp_checkpoint, kind):
+    """3 drafts a step, the last one wrong: 2 accepted, the verify's last token rolled back."""
+    path = mtp_checkpoint(kind)
+    params = SamplingParams(max_new_tokens=30)
+    plain = generate(mm.load_model(path).lm, PROMPT, params)[0]
+    lm = mm.load_model(path, speculative="mtp", num_speculative_tokens=3).lm
+    counts = _forced_drafts(monkeypatch, plain, PROMPT.shape[1], wrong_last=True)
+    stats = SpeculativeStats()
+    assert generate(lm, PROMPT, params, stats=stats)[0] == plain
+    assert stats.accepted == sum(k - 1 if k > 1 else 1 for k in counts) and stats.drafted == sum(counts)
+
+
+def _states(cache):
+    out = []
+    for slot in cache.slots.values():
+        out += [slot.k, slot.v] if isinstance(slot, KVSlot) else [slot.conv, slot.recurrent]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["moe_text", "dense_text"])
+def test_a_rejected_token_leaves_no_trace_in_the_caches(checkpoints, kind):
+    """After a verify of [7, 8, 9] that keeps 2 tokens, every DeltaNet conv window and recurrent
+    state, every KV buffer (rejected positions zeroed) and the key mask equal a cache that saw
+    [7, 8] alone: within 1e-6 (a forward of 3 tokens and one of 2 round the same rows differently),
+    and bit for bit against a verify whose rejected token differed (dense: each row's products do
+    not depend on the other rows)."""
+    lm = mm.load_model(checkpoints(kind)[1]).lm
+
+    def run(tokens, kept=None):
+        cache = lm.make_cache(1, 30)
+        with torch.no_grad():
+            lm.hidden_states(PROMPT, cache=cache)
+            if kept is not None:
+                cache.begin_verify()
+            lm.hidden_states(torch.tensor([tokens]), cache=cache)
+            if kept is not None:
+                cache.commit(kept)
+            return cache
+
+    rolled, never, other = run([7, 8, 9], kept=2), run([7, 8]), run([7, 8, 300], kept=2)
+    assert rolled.length == never.length == 23 and torch.equal(rolled.key_mask, never.key_mask)
+    for ours, ref, alt in zip(_states(rolled), _states(never), _states(other)):
+        assert ours.shape == ref.shape
+        torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
+        if kind.startswith("dense"):
+            assert torch.equal(ours, alt)
+    for slot in rolled.slots.values():
+        if isinstance(slot, KVSlot):
+            assert not slot.k[:, :, 23:].any() and not slot.v[:, :, 23:].any()
+    # and it decodes on as the cache that never saw the token
+    with torch.no_grad():
+        after = [lm(torch.tensor([[11]]), cache=c)[0, -1] for c in (rolled, never)]
+    torch.testing.assert_close(after[0], after[1], rtol=0, atol=1e-5)
+
+
+def test_drafting_leaves_the_mtp_cache_with_the_committed_positions_only(mtp_checkpoint):
+    lm = mm.load_model(mtp_checkpoint("dense_vl"), speculative="mtp", num_speculative_tokens=3).lm
+    cfg, g = lm.config, torch.Generator().manual_seed(4)
+    embeds, hidden = (torch.randn(1, 5, cfg.hidden_size, generator=g) for _ in range(2))
+    cache, fresh = lm.mtp.make_cache(1, 12), lm.mtp.make_cache(1, 12)
+    positions = torch.arange(5)[None, None].expand(3, 1, 5)
+    with torch.no_grad():
+        drafts = speculative.draft(lm, cache, embeds, hidden, positions, 3, 5)
+        lm.mtp(embeds, hidden, lm.model.rotary_emb(positions, torch.float32), fresh)
+    assert len(drafts) == 3 and cache.length == fresh.length == 5
+    assert torch.equal(cache.key_mask, fresh.key_mask)
+    assert all(torch.equal(a, b) for a, b in zip(_states(cache), _states(fresh)))
+
+
+def test_batches_and_sampling_decode_without_drafts(mtp_checkpoint):
+    path = mtp_checkpoint("moe_text")
+    plain, lm = mm.load_model(path).lm, mm.load_model(path, speculative="mtp").lm
+    ids = torch.cat([PROMPT, PROMPT.flip(1)])
+    stats = SpeculativeStats()
+    assert generate(lm, ids, SamplingParams(max_new_tokens=8), stats=stats) == generate(
+        plain, ids, SamplingParams(max_new_tokens=8))
+    sampled = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
+    assert generate(lm, PROMPT, sampled, stats=stats) == generate(plain, PROMPT, sampled)
+    assert stats.steps == stats.drafted == 0
+
+
+def test_left_padding_and_the_vl_model_generate(mtp_checkpoint):
+    path = mtp_checkpoint("dense_vl")
+    plain, model = mm.load_model(path), mm.load_model(path, speculative="mtp", num_speculative_tokens=2)
+    ids = torch.cat([torch.zeros(1, 4, dtype=torch.long), PROMPT], 1)
+    mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones_like(PROMPT)], 1)
+    stats = SpeculativeStats()
+    ours = list(model.stream_generate(ids, SamplingParams(max_new_tokens=12), attention_mask=mask, stats=stats))
+    assert [e.token for e in ours] == plain.generate(PROMPT, max_new_tokens=12)[0]
+    assert stats.steps > 0
