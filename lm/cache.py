@@ -168,23 +168,31 @@ class Cache:
             if isinstance(slot, LinearSlot):
                 slot.steps, slot.conv_inputs = [], None
 
-    def commit(self, kept: int) -> None:
-        """Keep the first `kept` (>= 1) tokens of the forward since `begin_verify` and leave the state
-        exactly as if the others had never been seen: each DeltaNet layer's recurrent state and conv
-        window become those after token `kept`, the KV positions after it are zeroed and unmasked.
-        Costs one copy of each DeltaNet state when tokens are dropped, nothing when all are kept."""
-        start = self.verify_start
-        total = self.length - start
-        if not 1 <= kept <= total:
-            raise ValueError(f"cannot keep {kept} of the {total} tokens of a verify forward")
+    def commit(self, kept: int | list[int]) -> None:
+        """Keep the first `kept` (>= 1; one count per row, or one for all) tokens of each row of the
+        forward since `begin_verify` and leave each row as if it had never seen the others: its
+        DeltaNet recurrent states and conv windows become those after its last kept token, and its
+        dropped KV positions are zeroed and masked out. Positions that every row dropped are given
+        back (the write position moves back); those that only some rows dropped stay as masked
+        holes in those rows, as left padding is. Costs one copy of a row's DeltaNet states when it
+        drops tokens, nothing when it keeps all."""
+        start, total = self.verify_start, self.length - self.verify_start
+        kept = [kept] * self.batch if isinstance(kept, int) else list(kept)
+        if len(kept) != self.batch or not all(1 <= n <= total for n in kept):
+            raise ValueError(f"cannot keep {kept} of the {total} tokens of a verify forward of {self.batch} row(s)")
         for slot in self.slots.values():
             if isinstance(slot, LinearSlot):
-                if kept < total:
-                    slot.recurrent.copy_(slot.steps[kept - 1])
-                    slot.conv.copy_(slot.conv_inputs[:, kept : kept + slot.conv.shape[1]])
+                window = slot.conv.shape[1]
+                for row, n in enumerate(kept):
+                    if n < total:
+                        slot.recurrent[row].copy_(slot.steps[n - 1][row])
+                        slot.conv[row].copy_(slot.conv_inputs[row, n : n + window])
                 slot.steps, slot.conv_inputs = None, None
         self.verify_start = None
-        self._drop_positions(start + kept)
+        for row, n in enumerate(kept):
+            self._drop_positions(start + n, rows=slice(row, row + 1))
+        self.length = start + max(kept)
+        self.padded = self.padded or min(kept) < max(kept)
 
     def truncate(self, length: int) -> None:
         """Forget the positions from `length` on of a cache whose layers are all full attention (the
@@ -192,18 +200,18 @@ class Cache:
         if any(isinstance(slot, LinearSlot) for slot in self.slots.values()):
             raise ValueError("a DeltaNet state cannot be truncated; verify with begin_verify / commit")
         self._drop_positions(length)
+        self.length = min(self.length, length)
 
-    def _drop_positions(self, length: int) -> None:
-        """Zero and unmask the KV positions from `length` on; `length` becomes the write position."""
+    def _drop_positions(self, length: int, rows: slice = slice(None)) -> None:
+        """Zero and mask out the given rows' KV positions from `length` to the write position."""
         if self.lengths is not None:
             raise ValueError("a ragged cache cannot drop positions")
         if length < self.length:
             for slot in self.slots.values():
                 if isinstance(slot, KVSlot):
-                    slot.k[:, :, length : self.length] = 0
-                    slot.v[:, :, length : self.length] = 0
-            self.key_mask[:, length : self.length] = False
-        self.length = length
+                    slot.k[rows, :, length : self.length] = 0
+                    slot.v[rows, :, length : self.length] = 0
+            self.key_mask[rows, length : self.length] = False
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only the given batch rows (e.g. drop finished sequences), in that order."""

@@ -59,13 +59,14 @@ class MTPLayer(nn.Module):
         return Cache(self.layer_config, batch, max_len, device=w.device, dtype=w.dtype)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                cache: Cache) -> torch.Tensor:  # fmt: skip
+                cache: Cache, attention_mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """embeds [B, T, H]: the embeddings of the next tokens; hidden [B, T, H]: the hidden states
         of the tokens before them (see the class docstring); rope: the main model's rotary (cos, sin)
-        at the T positions. Writes T positions of `cache`; returns g [B, T, H] (normed)."""
+        at the T positions; attention_mask [B, T]: 0 on left padding. Writes T positions of `cache`;
+        returns g [B, T, H] (normed)."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
         t = x.shape[1]
-        cache.begin(None, t)
+        cache.begin(attention_mask, t)
         x = self.layers[0](x, cache.slots[0], rope, attention_mask_for(cache, t), None)
         cache.advance(t)
         return self.norm(x)

@@ -9,7 +9,7 @@ prefix cache) and synchronous batched generation, on one generation core.
     request.py       Prompt, Request and their errors
     config.py        EngineConfig: every engine option and its default, written once
     generate.py      stream_generate / generate: one left-padded batch, synchronously
-    speculative.py   greedy speculative decoding with the MTP layer (batch 1, under stream_generate)
+    speculative.py   greedy speculative decoding with the MTP layer (under stream_generate)
 
 `Engine(lm)` runs one background thread that owns the model. Any thread may `submit` a request
 (its prompt and its own `SamplingParams`) and iterate the returned `Request` for its tokens as they

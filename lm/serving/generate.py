@@ -52,11 +52,11 @@ def stream_generate(
     `inputs_embeds` [B, T, hidden] replaces the token embeddings (e.g. with vision features fused in);
     `positions` [3, B, T] are the prompt's mRoPE positions (default: text positions).
     `stop_when(row, tokens)` may end a row early (e.g. on a stop string); it finishes with "stop".
-    A model loaded with its MTP layer (`lm.num_speculative_tokens` > 0) decodes a greedy prompt of
-    batch 1 speculatively (speculative.py), with the same tokens; `stats` then counts its drafts.
+    A model loaded with its MTP layer (`lm.num_speculative_tokens` > 0) decodes greedy batches
+    speculatively (speculative.py), with the same tokens; `stats` then counts its drafts.
     """
     try:
-        if lm.num_speculative_tokens and (why := _no_speculation(input_ids.shape[0], params)) is not None:
+        if lm.num_speculative_tokens and (why := _no_speculation(params)) is not None:
             say_once(f"no-speculation-{why}", f"speculative decoding does not apply to {why}; decoding token by token")
         elif lm.num_speculative_tokens:
             yield from _speculative(lm, input_ids, params, attention_mask, inputs_embeds, positions, eos_token_ids,
@@ -105,31 +105,28 @@ def _generate(lm, input_ids, params, attention_mask, inputs_embeds, positions, e
         positions = [p + 1 for p in positions]
 
 
-def _no_speculation(batch: int, params: SamplingParams | list[SamplingParams]) -> str | None:
+def _no_speculation(params: SamplingParams | list[SamplingParams]) -> str | None:
     """Why speculative decoding cannot run this generation, or None."""
     params = list(params) if isinstance(params, (list, tuple)) else [params]
-    if batch != 1:
-        return "a batch of several rows in stream_generate"
-    if not params[0].greedy or params[0].logprobs is not None or params[0].constrained:
+    if any(not p.greedy or p.logprobs is not None or p.constrained for p in params):
         return "sampling, logprobs or constraints (it drafts for greedy decoding)"
     return None
 
 
 def _speculative(lm, input_ids, params, attention_mask, inputs_embeds, positions, eos_token_ids, prefill_chunk,
                  max_len, stop_when, stats) -> Iterator[TokenEvent]:  # fmt: skip
-    """One greedy row through speculative.generate_speculative, its left padding dropped."""
-    params = params[0] if isinstance(params, (list, tuple)) else params
-    if attention_mask is not None and not bool(attention_mask.all()):
-        real = attention_mask[0].bool()
-        input_ids = input_ids[:, real]
-        inputs_embeds = None if inputs_embeds is None else inputs_embeds[:, real]
-        positions = None if positions is None else positions[:, :, real]
-    stop = None if stop_when is None else (lambda tokens: stop_when(0, tokens))
-    for token, reason in generate_speculative(
-        lm, input_ids, params, inputs_embeds=inputs_embeds, positions=positions, eos_token_ids=eos_token_ids,
-        prefill_chunk=prefill_chunk, max_len=max_len, stop_when=stop, stats=stats,
+    """The batch through speculative.generate_speculative."""
+    b = input_ids.shape[0]
+    params = list(params) if isinstance(params, (list, tuple)) else [params] * b
+    if len(params) != b:
+        raise ValueError(f"{len(params)} SamplingParams for a batch of {b}")
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    for row, token, reason in generate_speculative(
+        lm, input_ids, params, attention_mask=mask, inputs_embeds=inputs_embeds, positions=positions,
+        eos_token_ids=eos_token_ids, prefill_chunk=prefill_chunk, max_len=max_len, stop_when=stop_when,
+        stats=stats,
     ):
-        yield TokenEvent(0, token, reason)
+        yield TokenEvent(row, token, reason)
 
 
 def generate(lm: CausalLM, input_ids: torch.Tensor, params, **kwargs) -> list[list[int]]:

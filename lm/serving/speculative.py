@@ -1,4 +1,4 @@
-"""Greedy speculative decoding with the checkpoint's MTP layer (lm/mtp.py), one sequence at a time.
+"""Greedy speculative decoding with the checkpoint's MTP layer (lm/mtp.py).
 
 A step, with `next` the last picked token (not yet in the caches) and K drafts:
 1. draft: the MTP layer takes the main model's hidden states of the tokens committed since the last
@@ -17,7 +17,9 @@ A step, with `next` the last picked token (not yet in the caches) and K drafts:
    [Hv, Dk, Dv]: 2 MiB a layer, 60 MiB for the 30 DeltaNet layers of the 35B-A3B), the verify's
    DeltaNet run token by token, and no weight read twice.
 
-Greedy rows only (plain or with penalties), batch 1; stream_generate says once when it cannot apply.
+Each row of a batch accepts its own drafts; the KV positions that one row rejected while another
+accepted stay in it as masked holes, as left padding does. Greedy rows only (plain or with
+penalties); stream_generate says once when it cannot apply.
 """
 
 from __future__ import annotations
@@ -51,79 +53,150 @@ class SpeculativeStats:
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
 
+@dataclass
+class _Rows:
+    """The live rows of a speculative generation and what the MTP layer has not seen yet: the main
+    model's hidden states of the tokens committed since the last draft, left-padded to one length."""
+
+    ids: list[int]  # the rows' indices in the caller's batch
+    tokens: list[int]  # each row's last pick, not yet in the caches
+    next_positions: list[int]  # its position
+    embeds: torch.Tensor  # [B, P-1, H] the embeddings of the tokens after the pending ones but the last
+    hidden: torch.Tensor  # [B, P, H] the main model's final-normed hidden states
+    positions: torch.Tensor  # [3, B, P] their positions
+    mask: torch.Tensor  # [B, P] 0 on left padding
+
+
 def draft(lm: CausalLM, mtp_cache: Cache, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-          k: int, next_position: int) -> list[int]:  # fmt: skip
-    """K greedy drafts after the token at `next_position`. embeds [1, T, H]: the embeddings of the T
-    tokens committed since the last draft (the last one being the token at `next_position`);
-    hidden [1, T, H]: the main model's hidden states of the tokens before each; positions [3, 1, T]
-    their predecessors' positions. Leaves `mtp_cache` holding the committed positions only."""
+          mask: torch.Tensor, k: int, next_positions: list[int]) -> list[list[int]]:  # fmt: skip
+    """Each row's k greedy drafts after its token at `next_positions`. embeds [B, T, H]: the
+    embeddings of the tokens committed since the last draft (the last one being the token at
+    `next_positions`); hidden [B, T, H]: the main model's hidden states of the tokens before each;
+    positions [3, B, T] those tokens' positions; mask [B, T] 0 on left padding. Leaves `mtp_cache`
+    holding the committed positions only."""
     mtp, rotary = lm.mtp, lm.model.rotary_emb
-    g = mtp(embeds, hidden, rotary(positions, embeds.dtype), mtp_cache)[:, -1:]  # [1, 1, H]
+    g = mtp(embeds, hidden, rotary(positions, embeds.dtype), mtp_cache, mask)[:, -1:]  # [B, 1, H]
     committed = mtp_cache.length
-    drafts = [argmax(lm.lm_head(g)[0, -1].float())]
+    drafts = [_argmaxes(lm.lm_head(g[:, -1]))]
+    after = torch.tensor(next_positions, device=g.device)
     for j in range(1, k):
-        pos = torch.full((3, 1, 1), next_position + j - 1, device=g.device)
-        g = mtp(lm.embed(torch.tensor([[drafts[-1]]], device=g.device)), g, rotary(pos, g.dtype), mtp_cache)
-        drafts.append(argmax(lm.lm_head(g)[0, -1].float()))
+        pos = (after + j - 1)[None, :, None].expand(3, -1, 1)
+        g = mtp(lm.embed(torch.tensor(drafts[-1], device=g.device)[:, None]), g, rotary(pos, g.dtype), mtp_cache)
+        drafts.append(_argmaxes(lm.lm_head(g[:, -1])))
     mtp_cache.truncate(committed)
-    return drafts
+    return [list(row) for row in zip(*drafts)]
 
 
-def generate_speculative(lm: CausalLM, input_ids: torch.Tensor, params: SamplingParams, *,
-                         inputs_embeds: torch.Tensor | None, positions: torch.Tensor | None,
-                         eos_token_ids: tuple[int, ...], prefill_chunk: int, max_len: int | None,
-                         stop_when: Callable[[list[int]], bool] | None,
-                         stats: SpeculativeStats) -> Iterator[tuple[int, str | None]]:  # fmt: skip
-    """Greedy generation of one unpadded prompt (input_ids [1, T]; `inputs_embeds` [1, T, H] and
-    mRoPE `positions` [3, 1, T] optional) drafting `lm.num_speculative_tokens` tokens per step;
-    yields (token, finish reason or None)."""
-    k, n = lm.num_speculative_tokens, input_ids.shape[1]
-    length = max_len or n + params.max_new_tokens + k
-    cache, mtp_cache = lm.make_cache(1, length), lm.mtp.make_cache(1, length)
+def _argmaxes(logits: torch.Tensor) -> list[int]:
+    return [argmax(row) for row in logits.float()]
+
+
+def generate_speculative(lm: CausalLM, input_ids: torch.Tensor, params: list[SamplingParams], *,
+                         attention_mask: torch.Tensor, inputs_embeds: torch.Tensor | None,
+                         positions: torch.Tensor | None, eos_token_ids: tuple[int, ...], prefill_chunk: int,
+                         max_len: int | None, stop_when: Callable[[int, list[int]], bool] | None,
+                         stats: SpeculativeStats) -> Iterator[tuple[int, int, str | None]]:  # fmt: skip
+    """Greedy generation of a left-padded batch (input_ids [B, T], attention_mask [B, T];
+    `inputs_embeds` [B, T, H] and mRoPE `positions` [3, B, T] optional) drafting
+    `lm.num_speculative_tokens` tokens per step; yields (row, token, finish reason or None). Each
+    row accepts its own drafts; the KV positions a row rejected while another accepted stay in
+    it as masked holes (Cache.commit), so a batch of several rows needs a cache of up to
+    T + max_new_tokens * (K + 1) positions (one row: T + max_new_tokens + K)."""
+    k, (b, n) = lm.num_speculative_tokens, input_ids.shape
+    most = max(p.max_new_tokens for p in params)
+    length = max_len or n + k + (most if b == 1 else most * (k + 1))
+    cache, mtp_cache = lm.make_cache(b, length), lm.mtp.make_cache(b, length)
     embeds = lm.embed(input_ids) if inputs_embeds is None else inputs_embeds
     if positions is None:
-        positions = torch.arange(n, device=embeds.device)[None, None].expand(3, 1, n)
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[None].expand(3, -1, -1)
     hidden = torch.cat([lm.hidden_states(inputs_embeds=embeds[:, s : s + prefill_chunk],
-                                         positions=positions[:, :, s : s + prefill_chunk], cache=cache)
+                                         positions=positions[:, :, s : s + prefill_chunk],
+                                         attention_mask=attention_mask[:, s : s + prefill_chunk], cache=cache)
                         for s in range(0, n, prefill_chunk)], dim=1)  # fmt: skip
-    sampler, outputs = Sampler([params], [input_ids[0].tolist()], device=embeds.device), []
-    token = sampler(lm.lm_head(hidden[:, -1]), [0], [outputs])[0]
-    next_position = int(positions.amax()) + 1
-    pending = (embeds[:, 1:], hidden, positions)  # the MTP layer's inputs; the new token's embedding joins below
+    prompts = [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask)]
+    sampler, outputs = Sampler(params, prompts, device=embeds.device), [[] for _ in range(b)]
+    first = sampler(lm.lm_head(hidden[:, -1]), list(range(b)), outputs)
+    after = positions.masked_fill(~attention_mask.bool()[None], 0).amax(dim=(0, 2)) + 1
+    rows = _Rows(list(range(b)), first, after.tolist(), embeds[:, 1:], hidden, positions, attention_mask)
+    news = [[token] for token in first]
     while True:
-        outputs.append(token)
-        reason = runner.finish_reason(outputs, params, eos_token_ids, stop_when)
-        yield token, reason
-        if reason is not None:
+        alive = []
+        for i, (row, new) in enumerate(zip(rows.ids, news)):
+            for token in new:
+                outputs[row].append(token)
+                stop = None if stop_when is None else (lambda tokens, row=row: stop_when(row, tokens))
+                reason = runner.finish_reason(outputs[row], params[row], eos_token_ids, stop)
+                yield row, token, reason
+                if reason is not None:
+                    break
+            else:
+                alive.append(i)
+        if not alive:
             return
-        k_now = min(k, params.max_new_tokens - len(outputs) - 1)  # no drafts past max_new_tokens
-        drafts = []
-        if k_now > 0:
-            embeds = torch.cat([pending[0], lm.embed(torch.tensor([[token]], device=hidden.device))], dim=1)
-            drafts = draft(lm, mtp_cache, embeds, pending[1], pending[2], k_now, next_position)
-            cache.begin_verify()
-        ids = torch.tensor([[token, *drafts]], device=hidden.device)
-        t = ids.shape[1]
-        pos = torch.arange(next_position, next_position + t, device=ids.device)[None, None].expand(3, 1, t)
-        hidden = lm.hidden_states(ids, positions=pos, cache=cache)  # [1, t, H]
-        logits = lm.lm_head(hidden)[0]  # [t, V]
-        new = []
-        for j in range(t):
-            new.append(sampler(logits[j : j + 1], [0], [outputs + new])[0])
-            if j == len(drafts) or new[-1] != drafts[j]:
-                break
-        if drafts:
-            cache.commit(len(new))
-            stats.steps += 1
-            stats.drafted += len(drafts)
-            stats.accepted += len(new) - 1
-        for token in new[:-1]:  # the accepted drafts; the last pick is yielded at the top of the loop
-            outputs.append(token)
-            reason = runner.finish_reason(outputs, params, eos_token_ids, stop_when)
-            yield token, reason
-            if reason is not None:
-                return
-        token = new[-1]  # (without drafts this step was the last one: the MTP layer is not needed again)
-        accepted = torch.tensor([new[:-1]], dtype=torch.long, device=ids.device)
-        pending = (lm.embed(accepted), hidden[:, : len(new)], pos[:, :, : len(new)])
-        next_position += len(new)
+        if len(alive) < len(rows.ids):
+            _keep(rows, alive, cache, mtp_cache)
+        left = min(params[row].max_new_tokens - len(outputs[row]) for row in rows.ids)
+        news = _step(lm, cache, mtp_cache, rows, sampler, outputs, min(k, left - 1), stats)  # none past the end
+
+
+def _step(lm: CausalLM, cache: Cache, mtp_cache: Cache, rows: _Rows, sampler: Sampler, outputs: list[list[int]],
+          k: int, stats: SpeculativeStats) -> list[list[int]]:  # fmt: skip
+    """One draft (k tokens; none when k = 0) and verify step; each row's new tokens."""
+    device = rows.hidden.device
+    drafts: list[list[int]] = [[] for _ in rows.ids]
+    if k > 0:
+        embeds = torch.cat([rows.embeds, lm.embed(torch.tensor(rows.tokens, device=device)[:, None])], dim=1)
+        drafts = draft(lm, mtp_cache, embeds, rows.hidden, rows.positions, rows.mask, k, rows.next_positions)
+        cache.begin_verify()
+    ids = torch.tensor([[token, *d] for token, d in zip(rows.tokens, drafts)], device=device)  # [B, k + 1]
+    steps = torch.arange(ids.shape[1], device=device)
+    pos = (torch.tensor(rows.next_positions, device=device)[:, None] + steps)[None].expand(3, -1, -1)
+    hidden = lm.hidden_states(ids, positions=pos, cache=cache)  # [B, k + 1, H]
+    logits = lm.lm_head(hidden)  # [B, k + 1, V]
+    news = [_accept(sampler, logits[i], row, outputs[row], drafts[i]) for i, row in enumerate(rows.ids)]
+    if k > 0:
+        cache.commit([len(new) for new in news])
+        stats.steps += 1
+        stats.drafted += k * len(news)
+        stats.accepted += sum(len(new) - 1 for new in news)
+    _pending(lm, rows, news, hidden, pos)
+    return news
+
+
+def _accept(sampler: Sampler, logits: torch.Tensor, row: int, output: list[int], drafts: list[int]) -> list[int]:
+    """The main model's picks from logits [k + 1, V] of [token, *drafts], up to its first pick that
+    differs from the draft it verifies: the accepted drafts, then its own pick after them."""
+    new: list[int] = []
+    for j in range(len(drafts) + 1):
+        new.append(sampler(logits[j : j + 1], [row], {row: output + new})[0])
+        if j == len(drafts) or new[-1] != drafts[j]:
+            return new
+    return new
+
+
+def _pending(lm: CausalLM, rows: _Rows, news: list[list[int]], hidden: torch.Tensor, pos: torch.Tensor) -> None:
+    """After a verify of [token, *drafts] (hidden [B, k + 1, H] at positions [3, B, k + 1]): each row's
+    kept tokens become what the MTP layer sees next, right-aligned (left padding)."""
+    b, p, device = len(news), max(len(new) for new in news), hidden.device
+    rows.embeds = hidden.new_zeros(b, p - 1, hidden.shape[-1])
+    rows.hidden = hidden.new_zeros(b, p, hidden.shape[-1])
+    rows.positions = torch.zeros(3, b, p, dtype=pos.dtype, device=device)
+    rows.mask = torch.zeros(b, p, dtype=torch.long, device=device)
+    for i, new in enumerate(news):
+        m = len(new)
+        rows.hidden[i, p - m :], rows.positions[:, i, p - m :], rows.mask[i, p - m :] = hidden[i, :m], pos[:, i, :m], 1
+        if m > 1:
+            rows.embeds[i, p - m :] = lm.embed(torch.tensor(new[:-1], device=device))
+    rows.tokens = [new[-1] for new in news]
+    rows.next_positions = [at + len(new) for at, new in zip(rows.next_positions, news)]
+
+
+def _keep(rows: _Rows, alive: list[int], cache: Cache, mtp_cache: Cache) -> None:
+    """Keep only the rows at indices `alive` (the others finished)."""
+    index = torch.tensor(alive, device=rows.hidden.device)
+    cache.keep(index)
+    mtp_cache.keep(index)
+    rows.ids, rows.tokens = [rows.ids[i] for i in alive], [rows.tokens[i] for i in alive]
+    rows.next_positions = [rows.next_positions[i] for i in alive]
+    rows.embeds, rows.hidden, rows.mask = rows.embeds[index], rows.hidden[index], rows.mask[index]
+    rows.positions = rows.positions[:, index]

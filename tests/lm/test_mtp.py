@@ -156,19 +156,27 @@ def test_greedy_output_with_mtp_equals_without(mtp_checkpoint, kind, k):
         assert stats.steps == 28 and stats.drafted == sum(min(k, 29 - n) for n in range(1, 29))
 
 
-def _forced_drafts(monkeypatch, truth: list[int], prompt_len: int, wrong_last: bool = False) -> list[int]:
-    """Make the drafts the true greedy continuation `truth` (the MTP layer still runs, so its cache
-    moves as in a real run); with `wrong_last`, each step's last draft of several is wrong. Returns
-    the list of draft counts, one per step."""
+def _forced_drafts(monkeypatch, truth: list[list[int]], prompt_ends: list[int], wrong_last: bool = False
+                   ) -> list[tuple[int, list[int]]]:  # fmt: skip
+    """Make each row's drafts its true greedy continuation `truth[row]` (the MTP layer still runs, so
+    its cache moves as in a real run); `prompt_ends[row]` is the position after its prompt. With
+    `wrong_last`, the last draft of several is wrong in every other row (0, 2, ...). Returns, per
+    step, the number of drafts and the rows drafted for."""
     real, counts = speculative.draft, []
 
-    def forced(lm, mtp_cache, embeds, hidden, positions, k, next_position):
-        real(lm, mtp_cache, embeds, hidden, positions, k, next_position)
-        start = next_position - prompt_len + 1  # the index in `truth` of the token after next_position's
-        drafts = truth[start : start + k]
-        if wrong_last and k > 1:
-            drafts[-1] = (drafts[-1] + 1) % 512
-        counts.append(k)
+    def forced(lm, mtp_cache, embeds, hidden, positions, mask, k, next_positions):
+        real(lm, mtp_cache, embeds, hidden, positions, mask, k, next_positions)
+        drafts, rows = [], []
+        for i, at in enumerate(next_positions):
+            row = next(r for r, (out, end) in enumerate(zip(truth, prompt_ends))  # the row whose token at `at`
+                       if 0 <= at - end < len(out) and torch.equal(lm.embed(torch.tensor([out[at - end]]))[0],
+                                                                   embeds[i, -1]))  # fmt: skip
+            start = at - prompt_ends[row] + 1  # the index in truth of the token after the one at `at`
+            drafts.append(truth[row][start : start + k])
+            rows.append(row)
+            if wrong_last and k > 1 and row % 2 == 0:
+                drafts[-1][-1] = (drafts[-1][-1] + 1) % 512
+        counts.append((k, rows))
         return drafts
 
     monkeypatch.setattr(speculative, "draft", forced)
@@ -181,16 +189,17 @@ def test_right_drafts_are_accepted_and_commit_several_tokens(monkeypatch, mtp_ch
     path = mtp_checkpoint(kind)
     plain = generate(mm.load_model(path).lm, PROMPT, SamplingParams(max_new_tokens=30))[0]
     lm = mm.load_model(path, speculative="mtp", num_speculative_tokens=k).lm
-    counts = _forced_drafts(monkeypatch, plain, PROMPT.shape[1])
+    counts = _forced_drafts(monkeypatch, [plain], [PROMPT.shape[1]])
     stats = SpeculativeStats()
     events = list(stream_generate(lm, PROMPT, SamplingParams(max_new_tokens=30), stats=stats))
     assert [e.token for e in events] == plain
     assert [e.finish_reason for e in events] == [None] * 29 + ["length"]
-    assert stats.accepted == stats.drafted == sum(counts) and stats.steps == len(counts)
-    assert max(counts) == k and stats.acceptance == 1.0
-    made = 1 + sum(c + 1 for c in counts)  # the prompt's token, then k + 1 a step
+    drafted = [n for n, _ in counts]
+    assert stats.accepted == stats.drafted == sum(drafted) and stats.steps == len(counts)
+    assert max(drafted) == k and stats.acceptance == 1.0
+    made = 1 + sum(n + 1 for n in drafted)  # the prompt's token, then k + 1 a step
     assert made in (29, 30)  # (29: a last step without drafts)
-    assert stats.tokens_per_step == (sum(counts) + len(counts)) / len(counts)
+    assert stats.tokens_per_step == (sum(drafted) + len(counts)) / len(counts)
 
 
 @pytest.mark.parametrize("kind", ["moe_text", "dense_vl"])
@@ -200,10 +209,10 @@ def test_partly_right_drafts_roll_back_and_keep_the_output(monkeypatch, mtp_chec
     params = SamplingParams(max_new_tokens=30)
     plain = generate(mm.load_model(path).lm, PROMPT, params)[0]
     lm = mm.load_model(path, speculative="mtp", num_speculative_tokens=3).lm
-    counts = _forced_drafts(monkeypatch, plain, PROMPT.shape[1], wrong_last=True)
+    counts = _forced_drafts(monkeypatch, [plain], [PROMPT.shape[1]], wrong_last=True)
     stats = SpeculativeStats()
     assert generate(lm, PROMPT, params, stats=stats)[0] == plain
-    assert stats.accepted == sum(k - 1 if k > 1 else 1 for k in counts) and stats.drafted == sum(counts)
+    assert stats.accepted == sum(n - 1 if n > 1 else 1 for n, _ in counts) and stats.drafted == sum(n for n, _ in counts)
 
 
 def _states(cache):
@@ -256,23 +265,90 @@ def test_drafting_leaves_the_mtp_cache_with_the_committed_positions_only(mtp_che
     cache, fresh = lm.mtp.make_cache(1, 12), lm.mtp.make_cache(1, 12)
     positions = torch.arange(5)[None, None].expand(3, 1, 5)
     with torch.no_grad():
-        drafts = speculative.draft(lm, cache, embeds, hidden, positions, 3, 5)
+        drafts = speculative.draft(lm, cache, embeds, hidden, positions, torch.ones(1, 5), 3, [5])
         lm.mtp(embeds, hidden, lm.model.rotary_emb(positions, torch.float32), fresh)
-    assert len(drafts) == 3 and cache.length == fresh.length == 5
+    assert len(drafts) == 1 and len(drafts[0]) == 3 and cache.length == fresh.length == 5
     assert torch.equal(cache.key_mask, fresh.key_mask)
     assert all(torch.equal(a, b) for a, b in zip(_states(cache), _states(fresh)))
 
 
-def test_batches_and_sampling_decode_without_drafts(mtp_checkpoint):
+def test_sampling_decodes_without_drafts(mtp_checkpoint):
     path = mtp_checkpoint("moe_text")
     plain, lm = mm.load_model(path).lm, mm.load_model(path, speculative="mtp").lm
-    ids = torch.cat([PROMPT, PROMPT.flip(1)])
     stats = SpeculativeStats()
-    assert generate(lm, ids, SamplingParams(max_new_tokens=8), stats=stats) == generate(
-        plain, ids, SamplingParams(max_new_tokens=8))
     sampled = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
     assert generate(lm, PROMPT, sampled, stats=stats) == generate(plain, PROMPT, sampled)
     assert stats.steps == stats.drafted == 0
+
+
+def _left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids, mask = torch.zeros(len(prompts), width, dtype=torch.long), torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :], mask[row, width - len(p) :] = p, 1
+    return ids, mask
+
+
+BATCH = [torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 30, 17)]
+
+
+@pytest.mark.parametrize("kind", ["moe_text", "dense_vl"])
+def test_a_left_padded_batch_with_mtp_equals_each_prompt_alone(mtp_checkpoint, kind):
+    path = mtp_checkpoint(kind)
+    plain = mm.load_model(path).lm
+    lm = mm.load_model(path, speculative="mtp", num_speculative_tokens=2).lm
+    ids, mask = _left_padded(BATCH)
+    params = [SamplingParams(max_new_tokens=n) for n in (12, 20, 5)]  # rows finish at different steps
+    stats = SpeculativeStats()
+    batched = generate(lm, ids, params, attention_mask=mask, stats=stats)
+    assert batched == [generate(plain, p[None], q)[0] for p, q in zip(BATCH, params)]
+    assert stats.steps > 0
+
+
+@pytest.mark.parametrize("kind", ["moe_text", "dense_vl"])
+def test_rows_accept_their_own_drafts(monkeypatch, mtp_checkpoint, kind):
+    """Rows 0 and 2 accept 2 of 3 drafts a step, row 1 all 3: the rejected positions become holes
+    in rows 0 and 2, and every row's output is still its greedy output alone."""
+    path = mtp_checkpoint(kind)
+    plain = mm.load_model(path).lm
+    lm = mm.load_model(path, speculative="mtp", num_speculative_tokens=3).lm
+    ids, mask = _left_padded(BATCH)
+    params = SamplingParams(max_new_tokens=16)
+    truth = [generate(plain, p[None], params)[0] for p in BATCH]
+    counts = _forced_drafts(monkeypatch, truth, [len(p) for p in BATCH], wrong_last=True)
+    stats = SpeculativeStats()
+    assert generate(lm, ids, params, attention_mask=mask, stats=stats) == truth
+    assert stats.drafted == sum(n * len(rows) for n, rows in counts)
+    assert stats.accepted == sum(n - (n > 1 and row % 2 == 0) for n, rows in counts for row in rows)
+    assert {row for _, rows in counts for row in rows} == {0, 1, 2} and len(counts[-1][1]) < 3  # row 1 ends first
+
+
+def test_commit_keeps_each_rows_own_prefix(checkpoints):
+    """A batch of 2 verifies 3 tokens each, keeping 1 and 3: row 0 holds holes at the 2 positions it
+    dropped (zeroed, masked out) and its DeltaNet states equal row 0 run alone keeping 1 (within
+    1e-6: other row counts round differently), row 1 equals itself run alone."""
+    lm = mm.load_model(checkpoints("dense_text")[1]).lm
+    prompts, verify = PROMPT.repeat(2, 1), torch.tensor([[7, 8, 9], [10, 11, 12]])
+
+    def run(rows, kept):
+        cache = lm.make_cache(len(rows), 30)
+        with torch.no_grad():
+            lm.hidden_states(prompts[rows], cache=cache)
+            cache.begin_verify()
+            lm.hidden_states(verify[rows], cache=cache)
+            cache.commit(kept)
+        return cache
+
+    both, first, second = run([0, 1], [1, 3]), run([0], 1), run([1], 3)
+    assert both.length == 24 and first.length == 22 and both.padded
+    assert both.key_mask[0, :24].tolist() == [True] * 22 + [False] * 2 and both.key_mask[1, :24].all()
+    for ours, a, b in zip(_states(both), _states(first), _states(second)):
+        torch.testing.assert_close(ours[1:], b, rtol=0, atol=1e-6)
+        if ours.dim() == 4 and ours.shape[2] == 30:  # KV [B, KV, L, D]
+            torch.testing.assert_close(ours[:1, :, :22], a[:, :, :22], rtol=0, atol=1e-6)
+            assert not ours[0, :, 22:].any()
+        else:
+            torch.testing.assert_close(ours[:1], a, rtol=0, atol=1e-6)
 
 
 def test_left_padding_and_the_vl_model_generate(mtp_checkpoint):
