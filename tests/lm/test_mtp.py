@@ -360,3 +360,23 @@ def test_left_padding_and_the_vl_model_generate(mtp_checkpoint):
     ours = list(model.stream_generate(ids, SamplingParams(max_new_tokens=12), attention_mask=mask, stats=stats))
     assert [e.token for e in ours] == plain.generate(PROMPT, max_new_tokens=12)[0]
     assert stats.steps > 0
+
+
+def test_image_and_video_prompts_with_mtp_equal_without(monkeypatch, mtp_checkpoint):
+    """A left-padded batch with two images in one row and a video in the other: the MTP layer takes
+    the fused embeddings and the mRoPE positions; with its own drafts and with right drafts (the
+    last of two wrong in row 0), the output is the output without it."""
+    from tests.mm.test_model import _mm_inputs
+
+    path, x = mtp_checkpoint("moe_vl"), _mm_inputs()
+    plain = mm.load_model(path).generate(max_new_tokens=10, **x)
+    model = mm.load_model(path, speculative="mtp", num_speculative_tokens=2)
+    stats = SpeculativeStats()
+    assert model.generate(max_new_tokens=10, stats=stats, **x) == plain and stats.steps > 0
+    positions, _ = mm.mrope_positions(x["input_ids"], x["image_grid_thw"], x["video_grid_thw"], x["attention_mask"],
+                                      config=model.config)  # fmt: skip
+    ends = (positions.masked_fill(~x["attention_mask"].bool()[None], 0).amax(dim=(0, 2)) + 1).tolist()
+    counts = _forced_drafts(monkeypatch, plain, ends, wrong_last=True)
+    stats = SpeculativeStats()
+    assert model.generate(max_new_tokens=10, stats=stats, **x) == plain
+    assert stats.accepted == sum(n - (n > 1 and row % 2 == 0) for n, rows in counts for row in rows) > 0
