@@ -9,7 +9,9 @@ A step, with `next` the last picked token (not yet in the caches) and K drafts:
 2. verify: one forward of the main model over [next, d1..dK] gives K + 1 pickings.
 3. accept the longest prefix of drafts equal to the main model's own picks, plus the main model's
    pick after it: 1 to K + 1 new tokens per forward, the same tokens as greedy decoding without
-   drafts (the picks go through the same `Sampler`, so penalties apply token by token).
+   drafts (the picks go through the same `Sampler`, so penalties apply token by token). The logits
+   are the same maths; a forward of K + 1 tokens rounds differently from K + 1 one-token steps
+   (~1e-6 relative in float32), which could only turn an exact tie.
 4. rollback (`Cache.commit`): the verify forward kept each DeltaNet layer's state after every one of
    its tokens (lm/delta_rule.stepwise_gated_delta_rule) and the conv's inputs; the state after the
    last accepted token is copied back and the KV positions after it are zeroed. Cost per step: K
