@@ -33,7 +33,8 @@ INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype codes of the tensors this project reads and writes
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
                       "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8, "U16": torch.uint16}  # U16: bf16 rows in groups of 8 (weight cache)
-_EXPERT = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(
+    r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 MTP_PREFIX = "mtp."  # the multi-token-prediction layer's tensors (lm/mtp.py)
 
 

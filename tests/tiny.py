@@ -112,8 +112,8 @@ def add_mtp(path: Path, seed: int = 0, fused_experts: bool = True) -> Path:
     (path / "config.json").write_text(json.dumps(config, indent=2))
     tensors = load_file(str(path / "model.safetensors"))
     layer = text["layer_types"].index("full_attention")
-    prefix = next(p for p in ("model.language_model.", "model.") if f"{p}layers.{layer}.input_layernorm.weight" in tensors)
-    prefix += f"layers.{layer}."
+    prefix = next(f"{p}layers.{layer}." for p in ("model.language_model.", "model.")
+                  if f"{p}layers.{layer}.input_layernorm.weight" in tensors)
     g = torch.Generator().manual_seed(seed + 7)
 
     def noise(shape):

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
+from ..kernels.compute import say_once
 from ..model import CausalLM
 from ..sampling import Sampler, SamplingParams
 from . import runner
-from ..kernels.compute import say_once
 from .config import EngineConfig
 from .speculative import SpeculativeStats, generate_speculative
 
@@ -57,10 +57,11 @@ def stream_generate(
     """
     try:
         if lm.num_speculative_tokens and (why := _no_speculation(params)) is not None:
-            say_once(f"no-speculation-{why}", f"speculative decoding does not apply to {why}; decoding token by token")
+            say_once(f"no-speculation-{why}", f"speculative decoding does not apply to {why}; decoding token by "
+                     "token")  # fmt: skip
         elif lm.num_speculative_tokens:
             yield from _speculative(lm, input_ids, params, attention_mask, inputs_embeds, positions, eos_token_ids,
-                                    prefill_chunk, max_len, stop_when, stats or SpeculativeStats())
+                                    prefill_chunk, max_len, stop_when, SpeculativeStats() if stats is None else stats)
             return
         yield from _generate(lm, input_ids, params, attention_mask, inputs_embeds, positions, eos_token_ids,
                              prefill_chunk, max_len, stop_when)

@@ -186,7 +186,8 @@ def _pending(lm: CausalLM, rows: _Rows, news: list[list[int]], hidden: torch.Ten
     rows.mask = torch.zeros(b, p, dtype=torch.long, device=device)
     for i, new in enumerate(news):
         m = len(new)
-        rows.hidden[i, p - m :], rows.positions[:, i, p - m :], rows.mask[i, p - m :] = hidden[i, :m], pos[:, i, :m], 1
+        rows.hidden[i, p - m :], rows.positions[:, i, p - m :] = hidden[i, :m], pos[:, i, :m]
+        rows.mask[i, p - m :] = 1
         if m > 1:
             rows.embeds[i, p - m :] = lm.embed(torch.tensor(new[:-1], device=device))
     rows.tokens = [new[-1] for new in news]

@@ -127,7 +127,8 @@ def test_mtp_is_skipped_unless_asked(mtp_checkpoint):
 
 
 def test_a_checkpoint_without_mtp_is_refused_by_name(checkpoints, mtp_checkpoint, tmp_path):
-    with pytest.raises(WeightError, match=r"no mtp\.\* tensors: missing mtp\.pre_fc_norm_embedding\.weight.*mtp\.fc\.weight"):
+    names = r"no mtp\.\* tensors: missing mtp\.pre_fc_norm_embedding\.weight.*mtp\.fc\.weight"
+    with pytest.raises(WeightError, match=names):
         mm.load_model(checkpoints("moe_text")[1], speculative="mtp")
     shutil.copytree(mtp_checkpoint("dense_vl"), tmp_path / "partial")
     tensors = load_file(str(tmp_path / "partial" / "model.safetensors"))
@@ -212,7 +213,8 @@ def test_partly_right_drafts_roll_back_and_keep_the_output(monkeypatch, mtp_chec
     counts = _forced_drafts(monkeypatch, [plain], [PROMPT.shape[1]], wrong_last=True)
     stats = SpeculativeStats()
     assert generate(lm, PROMPT, params, stats=stats)[0] == plain
-    assert stats.accepted == sum(n - 1 if n > 1 else 1 for n, _ in counts) and stats.drafted == sum(n for n, _ in counts)
+    assert stats.accepted == sum(n - 1 if n > 1 else 1 for n, _ in counts)
+    assert stats.drafted == sum(n for n, _ in counts)
 
 
 def _states(cache):
