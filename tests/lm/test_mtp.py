@@ -382,3 +382,21 @@ def test_image_and_video_prompts_with_mtp_equal_without(monkeypatch, mtp_checkpo
     stats = SpeculativeStats()
     assert model.generate(max_new_tokens=10, stats=stats, **x) == plain
     assert stats.accepted == sum(n - (n > 1 and row % 2 == 0) for n, rows in counts for row in rows) > 0
+
+
+def test_a_stop_inside_accepted_drafts_ends_the_row_there(monkeypatch, mtp_checkpoint):
+    """With right drafts a step commits 4 tokens; a stop token, EOS or `stop_when` among them ends
+    the output at that token, as without drafts."""
+    path = mtp_checkpoint("dense_vl")
+    params = SamplingParams(max_new_tokens=30)
+    plain = generate(mm.load_model(path).lm, PROMPT, params)[0]
+    lm = mm.load_model(path, speculative="mtp", num_speculative_tokens=3).lm
+    _forced_drafts(monkeypatch, [plain], [PROMPT.shape[1]])
+    first = next(i for i, t in enumerate(plain) if i >= 6 and plain.index(t) == i)  # a token of a later step
+    stop = plain[first]
+    for kwargs in (dict(params=SamplingParams(max_new_tokens=30, stop_token_ids=(stop,))),
+                   dict(params=params, eos_token_ids=(stop,)),
+                   dict(params=params, stop_when=lambda row, tokens: tokens[-1] == stop)):
+        events = list(stream_generate(lm, PROMPT, **kwargs))
+        assert [e.token for e in events] == plain[: first + 1]
+        assert [e.finish_reason for e in events] == [None] * first + ["stop"]
