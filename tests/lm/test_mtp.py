@@ -11,8 +11,12 @@ from safetensors.torch import load_file, save_file
 import mm
 from lm import SamplingParams, WeightError, generate, stream_generate
 from lm.cache import KVSlot
+from lm.delta_rule import recurrent_gated_delta_rule, stepwise_gated_delta_rule
 from lm.serving import SpeculativeStats, speculative
 from tests import tiny
+from tests.conftest import rel_err
+from tests.lm.test_layers import _delta_inputs
+from tests.mm.test_model import _mm_inputs
 
 PROMPT = torch.randint(3, 500, (1, 21), generator=torch.Generator().manual_seed(5))
 
@@ -217,6 +221,20 @@ def test_partly_right_drafts_roll_back_and_keep_the_output(monkeypatch, mtp_chec
     assert stats.drafted == sum(n for n, _ in counts)
 
 
+def test_stepwise_delta_rule_keeps_each_prefix_state():
+    """The verify forward's DeltaNet form: T decode steps on the state in place, the state after
+    each token but the last kept; against the recurrent form of each prefix (1e-5 relative)."""
+    q, k, v, g, beta, state = _delta_inputs(t=4)
+    live, steps = state.clone(), []
+    out, final = stepwise_gated_delta_rule(q, k, v, g, beta, live, steps)
+    assert final is live and len(steps) == 3
+    ref_out, ref_state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    assert rel_err(out, ref_out) < 1e-5 and rel_err(live, ref_state) < 1e-5
+    for n, kept in enumerate(steps, start=1):
+        _, prefix = recurrent_gated_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state)
+        assert rel_err(kept, prefix) < 1e-5
+
+
 def _states(cache):
     out = []
     for slot in cache.slots.values():
@@ -368,8 +386,6 @@ def test_image_and_video_prompts_with_mtp_equal_without(monkeypatch, mtp_checkpo
     """A left-padded batch with two images in one row and a video in the other: the MTP layer takes
     the fused embeddings and the mRoPE positions; with its own drafts and with right drafts (the
     last of two wrong in row 0), the output is the output without it."""
-    from tests.mm.test_model import _mm_inputs
-
     path, x = mtp_checkpoint("moe_vl"), _mm_inputs()
     plain = mm.load_model(path).generate(max_new_tokens=10, **x)
     model = mm.load_model(path, speculative="mtp", num_speculative_tokens=2)
