@@ -110,7 +110,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with a GGUF --model: llama.cpp's mmproj file of the vision tower (default: the one "
                              "mmproj*.gguf beside the model in a --model directory, else text-only)")
     parser.add_argument("--dequantize-unsupported", action="store_true",
-                        help="for a GGUF file: dequantize tensor types the pipeline does not store (K-quants, ...) "
+                        help="for a GGUF file: dequantize the tensor types not read (Q5_0, IQ*, TQ*, ...) "
                              "to float instead of refusing the file")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),

@@ -15,7 +15,9 @@ writes, from the Hugging Face tensors:
     per-expert tensors                        stacked into [E, ...]
 Blocks of Q8_0 / Q4_0 keep their bits where our storage is the same format (rows regrouped by 8,
 lm/formats/blocks.py); a reorder of out_proj's columns moves whole blocks when the value head dim is
-a multiple of 32 (every real checkpoint), else the weight is planned in float32 (`plan`).
+a multiple of 32 (every real checkpoint), else the weight is planned in float32 (`plan`). K-quant
+tensors (Q4_K, Q5_K, Q6_K, Q8_K) have no kernels yet: they are dequantized (lm/gguf_kquants.py) and
+converted at load into the planned format (gguf_kquants.STORED_AS under "auto"), said once.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ import torch
 from torch import nn
 
 from .config import TextConfig
-from .formats import BF16, BF16_G8, FP32, INT4, INT8, Format, blocks, policy
-from .gguf_read import GGUFFile
+from .formats import BF16, BF16_G8, FORMATS, FP32, INT4, INT8, Format, blocks, policy
+from .gguf_kquants import KQUANT_TYPES, STORED_AS
+from .gguf_read import BLOCK_TYPES, GGUFFile
 from .weights import WeightError, heads_tied
 
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
@@ -52,6 +55,7 @@ _LAYER = {
 }  # fmt: skip
 _PLUS_ONE = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight")
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+_AUTO = {"Q8_0": INT8, "Q4_0": INT4, "BF16": BF16, **{k: FORMATS[f] for k, f in STORED_AS.items()}}
 
 
 def param_name(gguf_name: str, n_layers: int) -> str | None:
@@ -134,7 +138,8 @@ def kind_of(gguf_name: str) -> str:
 def plan(lm: nn.Module, file: GGUFFile, weights: str, groups: bool) -> dict[str, Format]:
     """The storage format of each large LM parameter for a GGUF file: the spec's where it names one
     (lm/formats/policy.py), else ("auto") the tensor's own: Q8_0 -> int8, Q4_0 -> int4, BF16 -> bf16,
-    F32 / F16 -> fp32 (F16 exactly), any other type -> fp32. A block tensor that does not fit our
+    F32 / F16 -> fp32 (F16 exactly), a K-quant as gguf_kquants.STORED_AS says (Q4_K -> int4, Q5_K /
+    Q6_K / Q8_K -> int8), any other type -> fp32. A block tensor that does not fit our
     storage (rows % 8, K % 32) or whose columns the V-head reorder splits is kept in float32 (bf16
     where the spec named the format, as policy.plan does), said once."""
     parts = policy.parse(weights)
@@ -154,11 +159,12 @@ def plan(lm: nn.Module, file: GGUFFile, weights: str, groups: bool) -> dict[str,
         if parts[part] != "auto":
             fmt = policy.storage(parts[part], groups)
         else:
-            fmt = {"Q8_0": INT8, "Q4_0": INT4, "BF16": BF16}.get(kind, FP32)
+            fmt = _AUTO.get(kind, FP32)
             if fmt in (INT8, INT4) and part in ("embed", "router"):
                 fmt = FP32  # rows gathered / float only: the exact float32
-            if fmt.blocked and kind_of(source[name]) == "ssm_out.weight" and lm.config.linear_value_head_dim % 32 \
-                    and lm.config.linear_num_value_heads != lm.config.linear_num_key_heads:
+            c = lm.config
+            if kind in BLOCK_TYPES and kind_of(source[name]) == "ssm_out.weight" and c.linear_value_head_dim % 32 \
+                    and c.linear_num_value_heads != c.linear_num_key_heads:
                 fmt = FP32
                 floats.append(name)
         if not fmt.fits(p.shape[-1], rows):  # as policy.plan: a named format falls back to bf16, "auto" to fp32
@@ -173,6 +179,27 @@ def plan(lm: nn.Module, file: GGUFFile, weights: str, groups: bool) -> dict[str,
               f"weights=, else float32) as their rows do not fit a block layout or the V-head reorder splits their "
               f"blocks: {', '.join(floats[:4])}", file=sys.stderr)
     return formats
+
+
+def say_kquant_conversion(lm: nn.Module, file: GGUFFile, formats: dict[str, Format], dtype: torch.dtype) -> None:
+    """Say once on stderr, for a file with K-quant LM tensors, what each K-quant type is converted to
+    at load (the formats of `plan`, else the model dtype), with the count of tensors each way."""
+    done: dict[str, dict[str, int]] = {}
+    floats = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    for g in file.tensors:
+        kind, name = file.type_of(g), param_name(g, lm.config.num_hidden_layers)
+        if kind in KQUANT_TYPES and name is not None:
+            to = formats[name].name if name in formats else floats.get(dtype, str(dtype))
+            done.setdefault(kind, {}).setdefault(to, 0)
+            done[kind][to] += 1
+    if not done:
+        return
+    kinds = sorted(done)
+    ways = "; ".join(f"{k} -> " + ", ".join(f"{to} ({n})" for to, n in sorted(done[k].items())) for k in kinds)
+    lossy = any(to in ("int8", "int4") for ways_k in done.values() for to in ways_k)
+    print(f"[qwen35] {file.path.name}: this file's {' / '.join(kinds)} tensors are converted at load (no K-quant "
+          f"kernels yet): {ways} tensor(s)" + ("; weights=fp32 keeps their values exactly" if lossy else ""),
+          file=sys.stderr)
 
 
 def load_gguf_lm_weights(lm: nn.Module, file: GGUFFile, formats: dict[str, Format]) -> None:

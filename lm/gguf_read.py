@@ -3,8 +3,9 @@ the `gguf` package's memory map (the file is never copied whole; each tensor is 
 
 `GGUFFile(path)` checks the architecture, gives the hyper-parameters as a Hugging Face text config
 dict (`hf_config`), and each tensor as float32 (`float_tensor`) or, for Q8_0 / Q4_0, as its GGUF
-blocks (`blocks`, uint8 [..., N, K / 32 * bytes], rows as in the file). Tensor types other than
-F32, F16, BF16, Q8_0 and Q4_0 are refused by name unless `dequantize_unsupported`. A model split
+blocks (`blocks`, uint8 [..., N, K / 32 * bytes], rows as in the file). The K-quants Q4_K, Q5_K,
+Q6_K and Q8_K are read too (lm/gguf_kquants.py: dequantized, converted at load by the caller).
+Other tensor types (Q5_0, IQ*, TQ*, ...) are refused by name unless `dequantize_unsupported`. A model split
 in parts (`NAME-00001-of-0000N.gguf`, llama.cpp's `split.count`) is read from its first part's path.
 """
 
@@ -17,12 +18,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import gguf_kquants
 from .weights import WeightError
 
 ARCHITECTURES = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
 SPLIT_NAME = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 BLOCK_TYPES = ("Q8_0", "Q4_0")  # our int8 / int4 storage (lm/formats/blocks.py)
+READ_TYPES = FLOAT_TYPES + BLOCK_TYPES + gguf_kquants.KQUANT_TYPES
 
 
 class GGUFFile:
@@ -68,11 +71,11 @@ class GGUFFile:
 
     def _check_types(self, dequantize_unsupported: bool, quiet: bool) -> None:
         other = {n: t.tensor_type.name for n, t in self.tensors.items()
-                 if t.tensor_type.name not in FLOAT_TYPES + BLOCK_TYPES}
+                 if t.tensor_type.name not in READ_TYPES}
         if other and not dequantize_unsupported:
             shown = ", ".join(f"{n} ({t})" for n, t in list(other.items())[:8])
             raise WeightError(f"{self.path}: {len(other)} tensor(s) in a type this pipeline does not read: {shown}; "
-                              f"it reads {', '.join(FLOAT_TYPES + BLOCK_TYPES)} (pass dequantize_unsupported=True / "
+                              f"it reads {', '.join(READ_TYPES)} (pass dequantize_unsupported=True / "
                               "--dequantize-unsupported to dequantize the others to float)")
         if other and not quiet:
             print(f"[qwen35] {self.path.name}: dequantizing {len(other)} tensor(s) of type(s) "
@@ -98,8 +101,8 @@ class GGUFFile:
         return tuple(int(d) for d in reversed(self.tensors[name].shape))
 
     def float_tensor(self, name: str) -> torch.Tensor:
-        """The tensor in float32, [..., N, K] (F16 / BF16 / Q8_0 / Q4_0 exactly; other types
-        through `gguf.quants.dequantize`)."""
+        """The tensor in float32, [..., N, K] (F16 / BF16 / Q8_0 / Q4_0 exactly, the K-quants as
+        `gguf.quants.dequantize` does; other types through it)."""
         import gguf
 
         t = self.tensors[name]
@@ -109,6 +112,9 @@ class GGUFFile:
         elif kind == "BF16":
             raw = torch.from_numpy(np.array(t.data).view(np.uint16).astype(np.int16))
             return raw.view(torch.bfloat16).float().reshape(self.shape(name))
+        elif kind in gguf_kquants.KQUANT_TYPES:
+            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))
+            return gguf_kquants.dequantize(raw, kind).reshape(self.shape(name))
         else:
             out = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
         return torch.from_numpy(out).reshape(self.shape(name))

@@ -14,7 +14,7 @@ import torch
 
 from lm.config import ConfigError, TextConfig
 from lm.formats import policy
-from lm.gguf_names import load_gguf_lm_weights, plan
+from lm.gguf_names import load_gguf_lm_weights, plan, say_kquant_conversion
 from lm.gguf_read import SPLIT_NAME, GGUFFile
 from lm.kernels import bf16_groups, release_openmp_workers
 from lm.kernels.compute import check as check_compute
@@ -94,8 +94,9 @@ def load_gguf_model(path: str | Path, *, device: str | torch.device = "cpu", dty
     """A `VLModel` from a GGUF file (see `mm.load_model`), with the vision tower of the `mmproj`
     file, else text-only (said once). `weights="auto"` keeps each LM tensor's own format where ours
     can hold it: Q8_0 -> int8, Q4_0 -> int4 (the same bits, rows regrouped), BF16 -> bf16, F32 / F16
-    -> fp32 (lm.gguf_names.plan); the tower's matrices as lm.formats.policy.vision_dtype says for a
-    bf16 (BF16 file) or float32 (other types) checkpoint."""
+    -> fp32, and the K-quants (no kernels yet) converted at load: Q4_K -> int4, Q5_K / Q6_K / Q8_K
+    -> int8 (lm.gguf_names.plan, lm.gguf_kquants.STORED_AS; said once); the tower's matrices as
+    lm.formats.policy.vision_dtype says for a bf16 (BF16 file) or float32 (other types) checkpoint."""
     from .loading import allocate, default_dtype, set_compute
 
     check_compute(compute)
@@ -118,6 +119,7 @@ def load_gguf_model(path: str | Path, *, device: str | torch.device = "cpu", dty
     if clip is not None and compact(device, dtype):
         bf16 = "mm.0.weight" in clip.tensors and clip.type_of("mm.0.weight") == "BF16"
         vision = policy.vision_dtype(weights, torch.bfloat16 if bf16 else torch.float32)
+    say_kquant_conversion(model.lm, file, formats, dtype)
     model = allocate(model, formats, device, vision)
     load_gguf_lm_weights(model.lm, file, formats)
     if clip is not None:
