@@ -100,24 +100,26 @@ class GGUFFile:
         """The logical shape in PyTorch order ([..., N, K])."""
         return tuple(int(d) for d in reversed(self.tensors[name].shape))
 
-    def float_tensor(self, name: str) -> torch.Tensor:
+    def float_tensor(self, name: str, index: int | None = None) -> torch.Tensor:
         """The tensor in float32, [..., N, K] (F16 / BF16 / Q8_0 / Q4_0 exactly, the K-quants as
-        `gguf.quants.dequantize` does; other types through it)."""
+        `gguf.quants.dequantize` does; other types through it); with `index`, only its slice
+        `index` along the first dimension (one expert of [E, N, K])."""
         import gguf
 
         t = self.tensors[name]
-        kind = t.tensor_type.name
+        kind, data, shape = t.tensor_type.name, t.data, self.shape(name)
+        if index is not None:
+            data, shape = data[index], shape[1:]
         if kind in ("F32", "F16"):
-            out = np.array(t.data, dtype=np.float32)
+            out = np.array(data, dtype=np.float32)
         elif kind == "BF16":
-            raw = torch.from_numpy(np.array(t.data).view(np.uint16).astype(np.int16))
-            return raw.view(torch.bfloat16).float().reshape(self.shape(name))
+            raw = torch.from_numpy(np.array(data).view(np.uint16).astype(np.int16))
+            return raw.view(torch.bfloat16).float().reshape(shape)
         elif kind in gguf_kquants.KQUANT_TYPES:
-            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))
-            return gguf_kquants.dequantize(raw, kind).reshape(self.shape(name))
+            return gguf_kquants.dequantize(torch.from_numpy(np.array(data, dtype=np.uint8)), kind).reshape(shape)
         else:
-            out = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
-        return torch.from_numpy(out).reshape(self.shape(name))
+            out = gguf.quants.dequantize(np.asarray(data), t.tensor_type).astype(np.float32)
+        return torch.from_numpy(out).reshape(shape)
 
     def blocks(self, name: str) -> torch.Tensor:
         """A Q8_0 / Q4_0 tensor's GGUF blocks, uint8 [..., N, K / 32 * bytes], rows as in the file."""
