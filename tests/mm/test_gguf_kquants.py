@@ -106,7 +106,7 @@ def test_dequantize_refuses_other_types_and_partial_blocks():
 
 # A Q4_K_M-like mix: Q6_K for attn_v, the down projections and the output; Q5_K for the DeltaNet's
 # qkv and the shared expert's down; Q8_K for one matrix; Q4_K for the other matrices (the embedding
-# too). Norms, the conv, ssm_a, dt_bias and the routers stay F32, as llama-quantize leaves them.
+# too, and DeltaNet's small in_proj_a / b). The 1-D tensors, the conv and the routers stay F32.
 _MIX = [(r"attn_v\.", "Q6_K"), (r"ffn_down_shexp\.", "Q5_K"), (r"ffn_down", "Q6_K"), (r"^output\.", "Q6_K"),
         (r"attn_qkv\.", "Q5_K"), (r"^blk\.1\.attn_k\.", "Q8_K")]
 _FLOAT = re.compile(r"norm|ssm_conv1d|ssm_a$|ssm_dt|ffn_gate_inp")
@@ -286,3 +286,4 @@ def test_float_tensor_of_a_k_quant_tensor_is_the_references(tmp_path_factory):
     assert t.tensor_type.name == "Q6_K" and file.shape(t.name) == (4, 256, 256)
     expect = gguf.quants.dequantize(np.array(t.data), t.tensor_type)
     assert torch.equal(file.float_tensor(t.name), torch.from_numpy(expect))
+    assert torch.equal(file.float_tensor(t.name, 2), torch.from_numpy(expect[2]))  # one expert
