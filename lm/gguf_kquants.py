@@ -32,11 +32,11 @@ STORED_AS = {"Q4_K": "int4", "Q5_K": "int8", "Q6_K": "int8", "Q8_K": "int8"}
 """The storage format of a K-quant weight under weights="auto": the smallest of ours (int4 = Q4_0,
 4.5 bits per weight; int8 = Q8_0, 8.5) with no fewer bits per weight than the file's type, int8 at
 most. Q4_K -> int4 keeps the size a Q4_K_M file was chosen for (its memory and decode bandwidth);
-the second rounding, to Q4_0's 16 symmetric levels, adds half an int4 step at most (the largest
-|w| of 32 weights / 16; / 8 for a weight Q4_0 clamps), about Q4_K's own error. Q5_K, Q6_K -> int8 keep what the file holds (int8's
-added error is at most the largest |w| of 32 / 254) at 1.5x / 1.3x the bytes; Q8_K (9.1 bits)
--> int8 too, our widest block format. weights="int8" keeps a Q4_K file's weights within that
-bound too, weights="fp32" exactly (K-quant values are float32 products, not bf16)."""
+the second rounding, to Q4_0's 16 symmetric levels, adds half an int4 step at most (the largest |w|
+of 32 weights / 16; / 8 for a weight Q4_0 clamps), about Q4_K's own error. Q5_K, Q6_K -> int8 keep
+what the file holds (int8 adds at most the largest |w| of 32 / 254) at 1.5x / 1.3x the bytes; Q8_K
+(9.1 bits) -> int8 too, our widest block format. weights="int8" keeps a Q4_K file's weights within
+that bound too, weights="fp32" exactly (K-quant values are float32 products, not bf16)."""
 _CHUNK = 1 << 14  # super-blocks dequantized at a time: bounds the temporaries (~16 MB of float32)
 
 
