@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import Segments, segment_attention
-from .linear import product, used
+from .linear import bf16_affine, used
 from .rotary import apply_rotary
 
 
@@ -54,37 +54,52 @@ def fast_block(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: 
                segments: Segments, ws: Workspace, compute: str = "fp32") -> torch.Tensor:
     """`VisionBlock` forward updating `x [N, C]` in place; scratch from `ws`; the products in
     `compute` (vision/linear.py: "fp32", or "bf16"). Returns x."""
+    if compute == "bf16" and x.dtype == torch.float32:
+        return _bf16_block(block, x, cos, sin, segments)
     attn, mlp = block.attn, block.mlp
     n, c = x.shape
     heads, head_dim = attn.num_heads, attn.head_dim
     h = F.layer_norm(x, (c,), block.norm1.weight, block.norm1.bias, block.norm1.eps)
-    qkv = _affine(h, attn.qkv, compute, ws.get("qkv", (n, 3 * c))).view(n, 3, heads, head_dim)  # [N, 3, H, D]
+    qkv = _affine(h, attn.qkv, ws.get("qkv", (n, 3 * c))).view(n, 3, heads, head_dim)  # [N, 3, H, D]
     if qkv.dtype == torch.float32:
         qk = rotate_into(qkv[:, :2], cos, sin, ws.get("qk", (n, 2, heads, head_dim)))  # [N, 2, H, D]
     else:  # the reference rotates in float32 and rounds back
         qk = apply_rotary(qkv[:, :2], cos, sin)
-    if compute == "bf16" and x.dtype == torch.float32:  # bf16 inputs, float32 softmax and sums inside SDPA
-        q, k, v = (t.to(torch.bfloat16) for t in (qk[:, 0], qk[:, 1], qkv[:, 2]))
-        o = segment_attention(q, k, v, segments).float()  # [N, C]
-    else:
-        o = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], segments)  # [N, C]
-    _add_affine(x, o, attn.proj, compute)
+    o = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], segments)  # [N, C]
+    _add_affine(x, o, attn.proj)
     h = F.layer_norm(x, (c,), block.norm2.weight, block.norm2.bias, block.norm2.eps)
     fc1 = mlp.linear_fc1
-    f = _affine(h, fc1, compute, ws.get("fc1", (n, fc1.out_features)))  # [N, I]
+    f = _affine(h, fc1, ws.get("fc1", (n, fc1.out_features)))  # [N, I]
     torch.ops.aten.gelu_(f, approximate="tanh")
-    return _add_affine(x, f, mlp.linear_fc2, compute)
+    return _add_affine(x, f, mlp.linear_fc2)
 
 
-def _affine(h: torch.Tensor, linear: torch.nn.Linear, compute: str, out: torch.Tensor) -> torch.Tensor:
-    """linear(h) into `out` (float32: one addmm; bf16 compute: the bf16 product plus the bias)."""
-    if compute == "bf16" and h.dtype == torch.float32:
-        return torch.add(product(h, linear.weight, compute), linear.bias, out=out)
+def _bf16_block(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segments: Segments) -> torch.Tensor:
+    """The block with bf16 products for a float32 residual stream `x [N, C]` (updated in place):
+    the norms' outputs rounded to bf16 once, each product's output left in bf16 (oneDNN's bf16 GEMM,
+    float32 sums, the bias added before the rounding) and fed as it is to the next step: rotary
+    (float32 inside), SDPA (float32 softmax and sums inside), GELU; only the two residual updates
+    come back to float32, each added with its bias in float32. Against float32 compute on the same
+    weights, each product's inputs and output are rounded to bf16 (tests/lm/test_compute.py)."""
+    attn, mlp = block.attn, block.mlp
+    n, c = x.shape
+    h = F.layer_norm(x, (c,), block.norm1.weight, block.norm1.bias, block.norm1.eps).to(torch.bfloat16)
+    qkv = bf16_affine(h, attn.qkv).view(n, 3, attn.num_heads, attn.head_dim)
+    qk = apply_rotary(qkv[:, :2], cos, sin)  # [N, 2, H, D] bf16
+    o = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], segments)  # [N, C] bf16
+    x.add_(bf16_affine(o, attn.proj, bias=False)).add_(attn.proj.bias)
+    h = F.layer_norm(x, (c,), block.norm2.weight, block.norm2.bias, block.norm2.eps).to(torch.bfloat16)
+    f = bf16_affine(h, mlp.linear_fc1)  # [N, I] bf16
+    torch.ops.aten.gelu_(f, approximate="tanh")
+    return x.add_(bf16_affine(f, mlp.linear_fc2, bias=False)).add_(mlp.linear_fc2.bias)
+
+
+def _affine(h: torch.Tensor, linear: torch.nn.Linear, out: torch.Tensor) -> torch.Tensor:
+    """linear(h) into `out`, one addmm."""
     return torch.addmm(linear.bias, h, used(linear.weight, h).t(), out=out)
 
 
-def _add_affine(x: torch.Tensor, a: torch.Tensor, linear: torch.nn.Linear, compute: str) -> torch.Tensor:
+def _add_affine(x: torch.Tensor, a: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     """x += linear(a), in place."""
-    if compute == "bf16" and x.dtype == torch.float32:
-        return x.add_(product(a, linear.weight, compute)).add_(linear.bias)
     return x.addmm_(a, used(linear.weight, x).t()).add_(linear.bias)

@@ -4,8 +4,9 @@ equal those of a float32 tower holding the same (bf16) weights.
 
 With the "bf16" compute format (`VisionModel.compute`, chosen at load) the products take bf16
 inputs and weights with float32 sums (torch's bf16 GEMM: oneDNN, AMX or AVX512-BF16 where the CPU
-has them) and give float32 outputs; attention takes bf16 queries, keys and values (torch's SDPA,
-float32 softmax and sums); the residual stream and norms stay float32."""
+has them) and give bf16 outputs, which the next product, attention (torch's SDPA, float32 softmax
+and sums) or GELU takes as they are; the residual stream, the norms and the residual updates'
+biases stay float32 (vision/fast.py)."""
 
 from __future__ import annotations
 
@@ -26,9 +27,7 @@ class Linear(nn.Linear):
         return F.linear(x, used(self.weight, x), self.bias)
 
 
-def product(x: torch.Tensor, weight: torch.Tensor, compute: str) -> torch.Tensor:
-    """x [N, K] times weight [M, K]^T -> [N, M] in x's dtype; in bf16 (rounded inputs and weights,
-    float32 sums) when `compute` is "bf16" and x is float32."""
-    if compute == "bf16" and x.dtype == torch.float32:
-        return F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16)).float()
-    return F.linear(x, used(weight, x))
+def bf16_affine(x: torch.Tensor, linear: nn.Linear, bias: bool = True) -> torch.Tensor:
+    """linear(x) for bf16 `x`: bf16 weight (and bias, unless `bias=False`), float32 sums, bf16 output."""
+    b = linear.bias.to(torch.bfloat16) if bias and linear.bias is not None else None
+    return F.linear(x, linear.weight.to(torch.bfloat16), b)

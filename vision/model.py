@@ -42,9 +42,13 @@ class PatchEmbed(nn.Module):
         kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
         self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=kernel, stride=kernel, bias=True)
 
-    def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        """`patches [N, C_in*T*P*P]` -> `[N, hidden]`."""
+    def forward(self, patches: torch.Tensor, compute: str = "fp32") -> torch.Tensor:
+        """`patches [N, C_in*T*P*P]` -> `[N, hidden]`; with `compute` "bf16" (float32 patches) a bf16
+        product (vision/linear.py) plus the float32 bias."""
         patches = patches.to(self.proj.bias.dtype)
+        if compute == "bf16" and patches.dtype == torch.float32:
+            weight = self.proj.weight.to(torch.bfloat16).view(self.proj.out_channels, -1)
+            return F.linear(patches.to(torch.bfloat16), weight).float().add_(self.proj.bias)
         weight = used(self.proj.weight, patches).view(self.proj.out_channels, -1)  # [hidden, C_in*T*P*P]
         return F.linear(patches, weight, self.proj.bias)
 
@@ -114,7 +118,7 @@ class VisionModel(nn.Module):
         """
         grids = self._grids(pixel_values, grid_thw)
         pos, cos, sin = self._grid_tables(grids)
-        x = self.patch_embed(pixel_values) + pos  # [N, C]
+        x = self.patch_embed(pixel_values, self.compute) + pos  # [N, C]
         segments = Segments.from_lengths([h * w for t, h, w in grids for _ in range(t)])
         if self.fast:
             ws = Workspace(x.device, x.dtype)
@@ -123,7 +127,7 @@ class VisionModel(nn.Module):
         else:
             for block in self.blocks:
                 x = block(x, cos, sin, segments)
-        return self.merger(x)
+        return self.merger(x, self.compute)
 
     def _grids(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
         """grid_thw as Python ints, checked against pixel_values and the merge size."""

@@ -353,6 +353,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -
     return k.rms_norm(rows, weight.contiguous(), eps, offset).view(x.shape)
 
 
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """`weight * x / rms(x) * silu(z)` over the last dim in one pass; None when n/a."""
+    if x.numel() == 0 or x.stride(-1) != 1 or z.stride(-1) != 1 or (k := _fusable(x)) is None or z.dtype != x.dtype:
+        return None
+    rows, gates = x.reshape(-1, x.shape[-1]), z.reshape(-1, z.shape[-1])
+    return k.gated_rms_norm(rows, gates, weight.float().contiguous(), eps).view(x.shape)
+
+
 def release_openmp_workers() -> None:
     """End the calling thread's OpenMP worker threads (libgomp's omp_pause_resource_all; its next
     parallel region starts new ones). A thread calls this when it is done with parallel work that

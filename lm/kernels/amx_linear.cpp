@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -102,13 +103,48 @@ void rows_to_bf16(const Rows& w, int64_t N, int64_t K, int64_t Kp, uint16_t* out
   }
 }
 
+// One block of a Q4_0 group (8 rows x 32 weights, formats.h) as 8 rows of 32 bf16, ld apart: the
+// 8 rows' quant bytes transposed into 2 vectors of 4 rows x 16 bytes, and each row's 32 weights
+// looked up (vpermw) in a table of its 16 values bf16(d (u - 8)): the same float product and the same
+// rounding as decoding each weight to float32 first, in a third of the instructions.
+inline void q4_group_block_to_bf16(const uint8_t* blk, uint16_t* out, int64_t ld) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+  alignas(32) float ds[RG];
+  _mm256_store_ps(ds, d);
+  const __m512i a = _mm512_loadu_si512(blk + 16), b = _mm512_loadu_si512(blk + 80);  // chunks 0-1, 2-3
+  // dword c * 8 + r holds row r's packed bytes 4c..4c+3: rows 0-3 and 4-7, 16 bytes a row
+  const __m512i rows03 = _mm512_permutex2var_epi32(
+      a, _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27), b);
+  const __m512i rows47 = _mm512_permutex2var_epi32(
+      a, _mm512_setr_epi32(4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31), b);
+  const __m512 u8 = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const __m128i low = _mm_set1_epi8(0x0f);
+  auto row = [&](__m128i q, int r) {  // packed byte j: weight j (low nibble), weight j + 16 (high)
+    const __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low));
+    const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(u8, _mm512_set1_ps(ds[r]))));
+    _mm512_storeu_si512(out + r * ld, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(u), table));
+  };
+  row(_mm512_extracti32x4_epi32(rows03, 0), 0);
+  row(_mm512_extracti32x4_epi32(rows03, 1), 1);
+  row(_mm512_extracti32x4_epi32(rows03, 2), 2);
+  row(_mm512_extracti32x4_epi32(rows03, 3), 3);
+  row(_mm512_extracti32x4_epi32(rows47, 0), 4);
+  row(_mm512_extracti32x4_epi32(rows47, 1), 5);
+  row(_mm512_extracti32x4_epi32(rows47, 2), 6);
+  row(_mm512_extracti32x4_epi32(rows47, 3), 7);
+}
+
 // Groups of 8 rows of a block format T (Q8_0 / Q4_0) or BF16_G8 from w.row(0) as bf16 rows, ld apart.
 template <class T>
 void group_rows_to_bf16(const Rows& w, int64_t N, int64_t K, uint16_t* out, int64_t ld) {
   uint8_t block[T::block_bytes];
   wvec v[NB];
   for (int64_t g = 0; g < N / RG; ++g)
-    for (int64_t b = 0; b < K / QK; ++b)  // the group read in order, written to its 8 rows
+    for (int64_t b = 0; b < K / QK; ++b) {  // the group read in order, written to its 8 rows
+      if constexpr (std::is_same_v<T, TraitsQ4_0>) {
+        q4_group_block_to_bf16(w.row(g * RG) + b * group_block_bytes<T>(), out + g * RG * ld + b * QK, ld);
+        continue;
+      }
       for (int r = 0; r < RG; ++r) {
         if constexpr (std::is_same_v<T, TraitsBF16G8>) {
           T::load(w.row(g * RG) + r * QK * 2, b, v);
@@ -118,6 +154,7 @@ void group_rows_to_bf16(const Rows& w, int64_t N, int64_t K, uint16_t* out, int6
         }
         store_bf16(v, out + (g * RG + r) * ld + b * QK);
       }
+    }
 }
 
 // Rows [0, N) of a weight in any format as bf16 rows [N][ld] (K % 32 == 0 for the grouped formats).
@@ -132,19 +169,45 @@ void weight_to_bf16(const Rows& w, int64_t N, int64_t K, int64_t Kp, uint16_t* o
   for (int64_t n = 0; n < N && Kp > K && grouped(w.fmt); ++n) std::memset(out + n * ld + K, 0, (Kp - K) * 2);
 }
 
+// A 16 x 16 block of 4-byte values in[j * ld + i] as its 16 columns: r[i] holds in[0..15][i].
+inline void transpose16(const float* in, int64_t ld, __m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + ld * i);
+  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
 // x [M][K] float32 -> bf16 pairs of k per token: out[k / 2][ldx][2] (tokens past M and k past K zero),
 // 16 tokens at a time so that each write is one line of 16 tokens' pairs.
 void x_as_pairs(const float* x, int64_t M, int64_t K, int64_t Mp, int64_t Kp, uint16_t* out, int64_t ldx) {
   at::parallel_for(0, Mp / TILE, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<uint16_t> rows(TILE * Kp);
+    thread_local std::vector<uint16_t> rows;
+    if (rows.size() < size_t(TILE * Kp)) rows.resize(TILE * Kp);
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t m0 = g * TILE, live = std::max<int64_t>(0, std::min(TILE, M - m0));
       to_bf16_rows(x + m0 * K, live, K, Kp, rows.data(), Kp);
-      std::fill(rows.begin() + live * Kp, rows.end(), 0);
-      const uint32_t* pairs = reinterpret_cast<const uint32_t*>(rows.data());
-      uint32_t* dst = reinterpret_cast<uint32_t*>(out) + m0;
-      for (int64_t p = 0; p < Kp / 2; ++p)
-        for (int64_t i = 0; i < TILE; ++i) dst[p * ldx + i] = pairs[i * (Kp / 2) + p];
+      std::fill(rows.begin() + live * Kp, rows.begin() + TILE * Kp, 0);
+      const float* pairs = reinterpret_cast<const float*>(rows.data());  // a pair of bf16 as 4 bytes
+      float* dst = reinterpret_cast<float*>(out) + m0;
+      __m512 col[TILE];
+      for (int64_t p0 = 0; p0 < Kp / 2; p0 += TILE) {  // Kp / 2 is a multiple of 16
+        transpose16(pairs + p0, Kp / 2, col);
+        for (int64_t p = 0; p < TILE; ++p) _mm512_storeu_ps(dst + (p0 + p) * ldx, col[p]);
+      }
     }
   });
 }
@@ -158,8 +221,11 @@ inline void store_block(float* y, int64_t ldy, int64_t m0, int64_t n0, int64_t M
   _tile_stored(3, c[3], 64);
   for (int t = 0; t < 4; ++t) {  // tile t: weight rows n0 + 16 (t % 2), tokens m0 + 16 (t / 2)
     const int64_t nb = n0 + TILE * (t % 2), mb = m0 + TILE * (t / 2);
-    for (int64_t i = 0; i < TILE && mb + i < M; ++i)
-      for (int64_t j = 0; j < TILE && nb + j < N; ++j) y[(mb + i) * ldy + nb + j] = c[t][j][i];
+    if (nb >= N || mb >= M) continue;
+    __m512 col[TILE];
+    transpose16(c[t][0], TILE, col);
+    const __mmask16 live = N - nb >= TILE ? 0xffff : static_cast<__mmask16>((1u << (N - nb)) - 1);
+    for (int64_t i = 0; i < TILE && mb + i < M; ++i) _mm512_mask_storeu_ps(y + (mb + i) * ldy + nb, live, col[i]);
   }
 }
 
@@ -399,8 +465,8 @@ at::Tensor amx_linear(at::Tensor x, at::Tensor W) {
 #if QWEN35_AMX
   if (M == 0 || N == 0) return y;
   const int64_t Kp = round_up(K, KT), Mp = round_up(M, 2 * TILE), ldp = Kp + KT, ldx = Mp + TILE;
-  std::vector<uint16_t> xp(Kp / 2 * ldx * 2);
-  x_as_pairs(x.data_ptr<float>(), M, K, Mp, Kp, xp.data(), ldx);
+  std::unique_ptr<uint16_t[]> xp(new uint16_t[Kp / 2 * ldx * 2]);  // every entry read is written by x_as_pairs
+  x_as_pairs(x.data_ptr<float>(), M, K, Mp, Kp, xp.get(), ldx);
   float* yp = y.data_ptr<float>();
   const int64_t tasks = (N + PANEL_ROWS - 1) / PANEL_ROWS;
   // BF16_G8 weights of products of at most 128 rows read where they lie, in tiles of 8 rows (16 x
@@ -409,19 +475,20 @@ at::Tensor amx_linear(at::Tensor x, at::Tensor W) {
     at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
       configure_group_tiles();
       const int64_t per_task = PANEL_ROWS / RG;
-      group_product(w, t0 * per_task, std::min(N / RG, t1 * per_task), xp.data(), ldx, M, Mp, K, yp, N);
+      group_product(w, t0 * per_task, std::min(N / RG, t1 * per_task), xp.get(), ldx, M, Mp, K, yp, N);
       _tile_release();
     });
     return y;
   }
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     configure_tiles();
-    std::vector<uint16_t> panel(PANEL_ROWS * ldp, 0);
+    thread_local std::vector<uint16_t> panel;  // columns past Kp are never read
+    if (panel.size() < size_t(PANEL_ROWS * ldp)) panel.resize(PANEL_ROWS * ldp);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * PANEL_ROWS, rows = std::min(PANEL_ROWS, N - n0), padded = round_up(rows, 2 * TILE);
       weight_to_bf16(w.from(n0), rows, K, Kp, panel.data(), ldp);  // grouped formats: rows % 8 == 0 (format_of)
       std::memset(panel.data() + rows * ldp, 0, (padded - rows) * ldp * sizeof(uint16_t));
-      panel_product(panel.data(), padded, ldp, xp.data(), ldx, M, Mp, Kp, n0, N, yp, N);
+      panel_product(panel.data(), padded, ldp, xp.get(), ldx, M, Mp, Kp, n0, N, yp, N);
     }
     _tile_release();
   });

@@ -37,6 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
         "one query token per row over the KV cache (GQA); lengths [B] int64 per row, or empty: all keys");
   m.def("rms_norm", &rms_norm, "x / rms(x) * (offset + w) per row");
+  m.def("gated_rms_norm", &gated_rms_norm, "w * x / rms(x) * silu(z) per row (the Gated DeltaNet output norm)");
   m.def("argmax", &argmax, "the index of the first largest value of a float32 vector, or of its first NaN (numpy's rules)");
   // the calling thread's OpenMP worker threads end (its next parallel region starts new ones):
   // lm.kernels.release_openmp_workers says why. 0 on success, -1 inside a parallel region.

@@ -74,6 +74,7 @@ std::vector<at::Tensor> chunked_delta_rule(at::Tensor q, at::Tensor k, at::Tenso
 at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor keep, double scale,
                             at::Tensor lengths);
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps, double offset);
+at::Tensor gated_rms_norm(at::Tensor x, at::Tensor z, at::Tensor w, double eps);
 std::vector<at::Tensor> causal_conv(at::Tensor x, at::Tensor window, at::Tensor weight);
 // greedy sampling: the index of the first largest value of a float32 vector (the first NaN if any)
 int64_t argmax(at::Tensor x);

@@ -68,6 +68,20 @@ def test_amx_kernel_matches_its_twin_where_the_cpu_has_it():
     assert compute.pick("auto", torch.uint8, k) == "bf16" and compute.pick("auto", torch.float32, k) == "fp32"
 
 
+def test_bf16_products_of_block_formats_equal_those_of_their_bf16_values():
+    """bf16 products decode Q8_0 / Q4_0 blocks to bf16 (on AMX tiles in panels, Q4_0 through a per-row
+    table): the product equals, bit for bit, the one of the same weights given as bf16 rows, over
+    partial tiles of tokens (M) and weight rows (N, a multiple of 8)."""
+    for n, depth in ((40, 96), (136, 512), (8, 32)):
+        for name, w in _weights(n, depth, seed=depth).items():
+            if name in ("int8", "int4"):
+                w16 = to_float(w, depth).bfloat16()
+                for m in (kernels.MAX_ROWS + 1, 31, 33, 70):  # prefill rows
+                    x = torch.randn(m, depth, generator=torch.Generator().manual_seed(m))
+                    y = kernels.linear(x, w, compute="bf16")
+                    assert torch.equal(y, kernels.linear(x, w16, compute="bf16")), (name, n, depth, m)
+
+
 @pytest.mark.parametrize("m, n, k", [(9, 40, 64), (77, 264, 1152)])
 def test_int8_products_equal_their_twin_for_both_block_formats(m, n, k):
     """int8 compute: x rounded to Q8_0 blocks times the Q8_0 / Q4_0 weights as stored, on AMX tiles

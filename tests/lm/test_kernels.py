@@ -283,6 +283,21 @@ def test_fused_deltanet_decode_equals_reference(monkeypatch, rows, value_dim, sc
         assert rel_err(a, b) < 1e-5
 
 
+def test_fused_gated_rms_norm_equals_reference(monkeypatch):
+    from lm.norm import GatedRMSNorm
+
+    norm = GatedRMSNorm(128)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.3, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(2, 70, 4, 128) * 3  # prefill: [B, T, heads, head_dim]
+    z = torch.randn(2, 70, 4, 256)[..., 128:]  # strided rows, as a view into a wider projection
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    assert kernels.gated_rms_norm(x, z, norm.weight, norm.eps) is not None
+    with torch.no_grad():
+        ours, reference = _both_paths(monkeypatch, lambda: norm(x, z))
+    assert rel_err(ours, reference) < 1e-6
+
+
 def test_fused_rms_norm_and_multi_linear_equal_reference(monkeypatch):
     from lm.norm import RMSNorm
 
