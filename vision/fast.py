@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import Segments, segment_attention
-from .linear import bf16_affine, used
+from .linear import used
 from .rotary import apply_rotary
 
 
@@ -30,11 +30,12 @@ class Workspace:
         self.device, self.dtype = device, dtype
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """A buffer of `shape`; its contents are whatever the last user left there."""
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A buffer of `shape` (and `dtype`, default the workspace's); its contents are whatever the
+        last user left there."""
         buf = self._buffers.get(name)
         if buf is None or buf.shape != shape:
-            buf = torch.empty(shape, device=self.device, dtype=self.dtype)
+            buf = torch.empty(shape, device=self.device, dtype=dtype or self.dtype)
             self._buffers[name] = buf
         return buf
 
@@ -55,7 +56,7 @@ def fast_block(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: 
     """`VisionBlock` forward updating `x [N, C]` in place; scratch from `ws`; the products in
     `compute` (vision/linear.py: "fp32", or "bf16"). Returns x."""
     if compute == "bf16" and x.dtype == torch.float32:
-        return _bf16_block(block, x, cos, sin, segments)
+        return _bf16_block(block, x, cos, sin, segments, ws)
     attn, mlp = block.attn, block.mlp
     n, c = x.shape
     heads, head_dim = attn.num_heads, attn.head_dim
@@ -75,24 +76,39 @@ def fast_block(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: 
 
 
 def _bf16_block(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                segments: Segments) -> torch.Tensor:
+                segments: Segments, ws: Workspace) -> torch.Tensor:
     """The block with bf16 products for a float32 residual stream `x [N, C]` (updated in place):
     the norms' outputs rounded to bf16 once, each product's output left in bf16 (oneDNN's bf16 GEMM,
     float32 sums, the bias added before the rounding) and fed as it is to the next step: rotary
-    (float32 inside), SDPA (float32 softmax and sums inside), GELU; only the two residual updates
-    come back to float32, each added with its bias in float32. Against float32 compute on the same
-    weights, each product's inputs and output are rounded to bf16 (tests/lm/test_compute.py)."""
+    (float32, rounded back), SDPA (float32 softmax and sums inside), GELU; only the two residual
+    updates come back to float32, each added with its bias in float32. Against float32 compute on
+    the same weights, each product's inputs and output are rounded to bf16 (tests/lm/test_compute.py).
+    The large activations live in `ws`, as in `fast_block`."""
     attn, mlp = block.attn, block.mlp
     n, c = x.shape
-    h = F.layer_norm(x, (c,), block.norm1.weight, block.norm1.bias, block.norm1.eps).to(torch.bfloat16)
-    qkv = bf16_affine(h, attn.qkv).view(n, 3, attn.num_heads, attn.head_dim)
-    qk = apply_rotary(qkv[:, :2], cos, sin)  # [N, 2, H, D] bf16
+    heads, head_dim, bf16 = attn.num_heads, attn.head_dim, torch.bfloat16
+    h = _bf16_norm(x, block.norm1, ws)
+    qkv = torch.addmm(attn.qkv.bias.to(bf16), h, attn.qkv.weight.to(bf16).t(), out=ws.get("qkv16", (n, 3 * c), bf16))
+    qkv = qkv.view(n, 3, heads, head_dim)
+    qk = rotate_into(qkv[:, :2], cos, sin, ws.get("qk", (n, 2, heads, head_dim)))  # float32
+    qk = ws.get("qk16", (n, 2, heads, head_dim), bf16).copy_(qk)
     o = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], segments)  # [N, C] bf16
-    x.add_(bf16_affine(o, attn.proj, bias=False)).add_(attn.proj.bias)
-    h = F.layer_norm(x, (c,), block.norm2.weight, block.norm2.bias, block.norm2.eps).to(torch.bfloat16)
-    f = bf16_affine(h, mlp.linear_fc1)  # [N, I] bf16
+    update = ws.get("update16", (n, c), bf16)
+    x.add_(torch.mm(o, attn.proj.weight.to(bf16).t(), out=update)).add_(attn.proj.bias)
+    h = _bf16_norm(x, block.norm2, ws)
+    fc1 = mlp.linear_fc1
+    f = torch.addmm(fc1.bias.to(bf16), h, fc1.weight.to(bf16).t(), out=ws.get("fc1_16", (n, fc1.out_features), bf16))
     torch.ops.aten.gelu_(f, approximate="tanh")
-    return x.add_(bf16_affine(f, mlp.linear_fc2, bias=False)).add_(mlp.linear_fc2.bias)
+    return x.add_(torch.mm(f, mlp.linear_fc2.weight.to(bf16).t(), out=update)).add_(mlp.linear_fc2.bias)
+
+
+def _bf16_norm(x: torch.Tensor, norm: torch.nn.LayerNorm, ws: Workspace) -> torch.Tensor:
+    """LayerNorm of float32 `x [N, C]` in float32, rounded to bf16, in `ws`."""
+    n, c = x.shape
+    h = ws.get("h", (n, c))
+    torch.ops.aten.native_layer_norm.out(x, (c,), norm.weight, norm.bias, norm.eps,
+                                         out0=h, out1=ws.get("mean", (n, 1)), out2=ws.get("rstd", (n, 1)))
+    return ws.get("h16", (n, c), torch.bfloat16).copy_(h)
 
 
 def _affine(h: torch.Tensor, linear: torch.nn.Linear, out: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ class Linear(nn.Linear):
         return F.linear(x, used(self.weight, x), self.bias)
 
 
-def bf16_affine(x: torch.Tensor, linear: nn.Linear, bias: bool = True) -> torch.Tensor:
-    """linear(x) for bf16 `x`: bf16 weight (and bias, unless `bias=False`), float32 sums, bf16 output."""
-    b = linear.bias.to(torch.bfloat16) if bias and linear.bias is not None else None
+def bf16_affine(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """linear(x) for bf16 `x`: bf16 weight and bias, float32 sums, bf16 output."""
+    b = linear.bias.to(torch.bfloat16) if linear.bias is not None else None
     return F.linear(x, linear.weight.to(torch.bfloat16), b)
