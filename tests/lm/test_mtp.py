@@ -246,7 +246,8 @@ def _states(cache):
 def test_a_rejected_token_leaves_no_trace_in_the_caches(checkpoints, kind):
     """After a verify of [7, 8, 9] that keeps 2 tokens, every DeltaNet conv window and recurrent
     state, every KV buffer (rejected positions zeroed) and the key mask equal a cache that saw
-    [7, 8] alone: within 1e-6 (a forward of 3 tokens and one of 2 round the same rows differently),
+    [7, 8] alone: within 1e-5 relative, 1e-6 absolute (a forward of 3 tokens and one of 2 round the
+    same rows differently, a few float32 ulps after the layers),
     and bit for bit against a verify whose rejected token differed (dense: each row's products do
     not depend on the other rows)."""
     lm = mm.load_model(checkpoints(kind)[1]).lm
@@ -266,7 +267,7 @@ def test_a_rejected_token_leaves_no_trace_in_the_caches(checkpoints, kind):
     assert rolled.length == never.length == 23 and torch.equal(rolled.key_mask, never.key_mask)
     for ours, ref, alt in zip(_states(rolled), _states(never), _states(other)):
         assert ours.shape == ref.shape
-        torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
         if kind.startswith("dense"):
             assert torch.equal(ours, alt)
     for slot in rolled.slots.values():
