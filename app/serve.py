@@ -256,7 +256,7 @@ def _prepare(chat: ChatCompletionRequest, backend: Backend, limits: Limits,
     try:  # the constraint is compiled now (and cached), so that a bad one is a 400 naming its field
         backend.pipeline.constraint_rule(params, in_thinking, job.rule)
     except ConstraintError as error:
-        raise bad_request(str(error), "thinking_budget" if "thinking_budget" in str(error) else "response_format") from None
+        raise bad_request(str(error), error.param or "response_format") from None
     return job, in_thinking
 
 

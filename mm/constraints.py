@@ -39,7 +39,12 @@ Rule = Callable[[list[int]], TokenRule | None]
 
 
 class ConstraintError(ValueError):
-    """A schema, regex or grammar that cannot be compiled, or one that admits no next token."""
+    """A schema, regex or grammar that cannot be compiled, or one that admits no next token; `param`
+    names the request field at fault where it is not the response format (the server's 400 says it)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class Grammars:

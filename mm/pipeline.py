@@ -157,7 +157,8 @@ class Pipeline:
             rule = self.grammars.rule(params, in_thinking=in_thinking, think_end=self.think_end_id)
         if params.thinking_budget is not None and in_thinking:
             if self.think_end_id is None:
-                raise ConstraintError(f"thinking_budget: this tokenizer has no single {THINK_END} token")
+                raise ConstraintError(f"thinking_budget: this tokenizer has no single {THINK_END} token",
+                                      param="thinking_budget")
             closing = self.processor.tokenizer(BUDGET_CLOSING, add_special_tokens=False)["input_ids"]
             rule = BudgetRule(params.thinking_budget, closing, self.think_end_id, rule)
         return rule
