@@ -107,9 +107,7 @@ class CausalLM(nn.Module):
         """
         b, t = (input_ids if inputs_embeds is None else inputs_embeds).shape[:2]
         cache = self.make_cache(b, t) if cache is None else cache
-        cache.begin(attention_mask, t)
-        if positions is None:
-            positions = text_positions(cache, t)
+        positions = _begin(cache, attention_mask, t, positions)
         if inputs_embeds is None and t == 1 and attention_mask is None:  # a decode step from token ids
             if (logits := decode_logits(self, input_ids, positions, cache)) is not None:
                 cache.advance(t)
@@ -131,9 +129,7 @@ class CausalLM(nn.Module):
         """The final-normed hidden states [B, T, hidden] (what the LM head reads) of the next T tokens,
         written into `cache`; arguments as `forward`'s."""
         t = (input_ids if inputs_embeds is None else inputs_embeds).shape[1]
-        cache.begin(attention_mask, t)
-        if positions is None:
-            positions = text_positions(cache, t)
+        positions = _begin(cache, attention_mask, t, positions)
         return self._layers(input_ids, inputs_embeds, positions, attention_mask, cache)
 
     def _layers(self, input_ids, inputs_embeds, positions, attention_mask, cache: Cache) -> torch.Tensor:
@@ -143,3 +139,9 @@ class CausalLM(nn.Module):
         hidden = self.model(x, positions, cache, real)
         cache.advance(x.shape[1])
         return hidden
+
+
+def _begin(cache: Cache, attention_mask: torch.Tensor | None, t: int, positions: torch.Tensor | None) -> torch.Tensor:
+    """Reserve the next `t` positions of `cache`; the tokens' positions (default: text positions)."""
+    cache.begin(attention_mask, t)
+    return text_positions(cache, t) if positions is None else positions

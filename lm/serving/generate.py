@@ -56,7 +56,7 @@ def stream_generate(
     speculatively (speculative.py), with the same tokens; `stats` then counts its drafts.
     """
     try:
-        if lm.num_speculative_tokens and (why := _no_speculation(params)) is not None:
+        if lm.num_speculative_tokens and (why := _no_speculation(_row_params(params, len(input_ids)))) is not None:
             say_once(f"no-speculation-{why}", f"speculative decoding does not apply to {why}; decoding token by "
                      "token")  # fmt: skip
         elif lm.num_speculative_tokens:
@@ -72,9 +72,7 @@ def stream_generate(
 def _generate(lm, input_ids, params, attention_mask, inputs_embeds, positions, eos_token_ids, prefill_chunk,
               max_len, stop_when) -> Iterator[TokenEvent]:
     b, t = input_ids.shape
-    params = list(params) if isinstance(params, (list, tuple)) else [params] * b
-    if len(params) != b:
-        raise ValueError(f"{len(params)} SamplingParams for a batch of {b}")
+    params = _row_params(params, b)
     if any(p.constrained for p in params):
         raise ValueError("json_schema, regex, grammar and thinking_budget are enforced by a rule: generate "
                          "through mm.Pipeline (mm/constraints.py)")  # fmt: skip
@@ -106,9 +104,16 @@ def _generate(lm, input_ids, params, attention_mask, inputs_embeds, positions, e
         positions = [p + 1 for p in positions]
 
 
-def _no_speculation(params: SamplingParams | list[SamplingParams]) -> str | None:
+def _row_params(params: SamplingParams | list[SamplingParams], b: int) -> list[SamplingParams]:
+    """One SamplingParams per row of a batch of `b`: a list as given (checked), or one for all."""
+    params = list(params) if isinstance(params, (list, tuple)) else [params] * b
+    if len(params) != b:
+        raise ValueError(f"{len(params)} SamplingParams for a batch of {b}")
+    return params
+
+
+def _no_speculation(params: list[SamplingParams]) -> str | None:
     """Why speculative decoding cannot run this generation, or None."""
-    params = list(params) if isinstance(params, (list, tuple)) else [params]
     if any(not p.greedy or p.logprobs is not None or p.constrained for p in params):
         return "sampling, logprobs or constraints (it drafts for greedy decoding)"
     return None
@@ -117,10 +122,7 @@ def _no_speculation(params: SamplingParams | list[SamplingParams]) -> str | None
 def _speculative(lm, input_ids, params, attention_mask, inputs_embeds, positions, eos_token_ids, prefill_chunk,
                  max_len, stop_when, stats) -> Iterator[TokenEvent]:  # fmt: skip
     """The batch through speculative.generate_speculative."""
-    b = input_ids.shape[0]
-    params = list(params) if isinstance(params, (list, tuple)) else [params] * b
-    if len(params) != b:
-        raise ValueError(f"{len(params)} SamplingParams for a batch of {b}")
+    params = _row_params(params, input_ids.shape[0])
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     for row, token, reason in generate_speculative(
         lm, input_ids, params, attention_mask=mask, inputs_embeds=inputs_embeds, positions=positions,
