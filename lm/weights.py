@@ -137,6 +137,12 @@ def lm_param_name(ckpt_name: str) -> str | None:
     return None
 
 
+def read_param_name(ckpt_name: str, lm: nn.Module) -> str | None:
+    """`lm_param_name` for the tensors `lm` reads: None also for the MTP layer's when `lm` has none."""
+    name = lm_param_name(ckpt_name)
+    return None if name is not None and name.startswith(MTP_PREFIX) and lm.mtp is None else name
+
+
 def use_formats(lm: nn.Module, formats: dict[str, Format]) -> None:
     """Give each parameter named in `formats` the storage of its format (lm/formats), before the
     model is allocated (on the meta device): a weight [..., N, K] becomes [..., N, row]. With tied
@@ -176,8 +182,8 @@ def load_lm_weights(lm: nn.Module, reader: CheckpointReader, formats: dict[str, 
     used: set[str] = set()
     vl_family = False
     for ckpt_name in reader.keys():
-        name = lm_param_name(ckpt_name)
-        if name is None or (name.startswith(MTP_PREFIX) and lm.mtp is None):
+        name = read_param_name(ckpt_name, lm)
+        if name is None:
             continue  # not the LM's, or the MTP layer of a model loaded without it
         used.add(ckpt_name)
         vl_family |= ckpt_name.startswith("model.language_model.")

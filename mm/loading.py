@@ -17,7 +17,7 @@ from lm.linear import Linear
 from lm.moe import Experts
 from lm.storage import allocate_lm, checkpoint_dtype, compact, plan_formats, settle_memory
 from lm.weight_cache import WeightCache
-from lm.weights import MTP_PREFIX, lm_param_name
+from lm.weights import MTP_PREFIX, read_param_name
 from vision import load_vision_weights
 
 from .config import ModelConfig, read_config_json
@@ -93,8 +93,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     spec = weights if speculative is None else f"{weights};mtp"  # the cache entry holds the MTP layer too
     cache = WeightCache(path, spec) if any(f.blocked for f in formats.values()) else None
     if cache is not None and cache.load_into(model.lm):  # converted at an earlier start
-        used = {k for k in reader.keys() if lm_param_name(k) is not None
-                and (speculative is not None or not k.startswith(MTP_PREFIX))}
+        used = {k for k in reader.keys() if read_param_name(k, model.lm) is not None}
     else:
         used = load_lm_weights(model.lm, reader, formats)
         if cache is not None:
