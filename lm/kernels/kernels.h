@@ -27,8 +27,6 @@ at::Tensor gated_delta_step(at::Tensor state, at::Tensor q, at::Tensor k, at::Te
 at::Tensor gdn_decode(at::Tensor qkv, at::Tensor z, at::Tensor b_in, at::Tensor a_in, at::Tensor window,
                       at::Tensor conv_w, at::Tensor A_log, at::Tensor dt_bias, at::Tensor state, at::Tensor norm_w,
                       double eps, int64_t num_k_heads);
-// gdn_decode on raw float32 rows (its checks done by the caller): how the decode step calls it, with
-// no tensor made per call
 // A worker thread of at::parallel_for running ATen ops: no autograd, and the caller's inference mode
 // (thread-local: without it, in-place ops on tensors made under torch.inference_mode() fail there).
 struct WorkerModes {
@@ -37,6 +35,8 @@ struct WorkerModes {
   c10::InferenceMode mode;
 };
 
+// gdn_decode on raw float32 rows (its checks done by the caller): how the decode step calls it, with
+// no tensor made per call
 struct GdnShape {
   int64_t B, C, Km1, Hk, Hv, Dk, Dv;  // rows, conv channels, conv window, key / value heads, head dims
 };
