@@ -316,13 +316,116 @@ constexpr bool VNNI = false;
 inline void block_i8(const QuantizedX&, int64_t, const Rows&, int64_t, int64_t, float*, int64_t, int64_t = 0) {}
 #endif
 
+// Prefill tiles (AVX-512 VNNI builds): 16 weight rows by up to TILE_ROWS rows of x in 512-bit
+// registers. Lanes 0-7 hold a chunk of one group's 8 rows and lanes 8-15 the same chunk of the next
+// group's, so x's 4 quants of a chunk are one broadcast (vpdpbusd's embedded {1to16}) and each
+// weight chunk, loaded and unpacked once, serves all the tile's rows of x; the decode kernels above
+// reload and unpack it every 4 rows and take half the lanes per instruction. Every (row of x,
+// weight row) gets the same exact integer block dots and the same float32 sums, in the same block
+// order, as the decode kernels: the same bits.
+#if QWEN35_VNNI && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QWEN35_I8_TILES 1
+constexpr int TILE_ROWS = 8;
+
+inline __m512i two_groups(const uint8_t* a, const uint8_t* b) {  // 32 bytes of each group, side by side
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
+inline __m512i x_quad(const int8_t* p) {  // 4 quants of x in every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// y[r * ldy + j] = weight row j of groups g0 (j < 8) and g1 (j >= 8) . x[r0 + r], r < R.
+template <class T, int R>
+inline void tile_i8(const QuantizedX& x, int64_t r0, const uint8_t* g0, const uint8_t* g1, float* y, int64_t ldy) {
+  constexpr bool q4 = std::is_same_v<T, TraitsQ4_0>;
+  constexpr int64_t GB = group_block_bytes<T>();
+  const int64_t K = x.K, nb = K / QK;
+  const int8_t* xq = x.q.data() + r0 * K;
+  const float* xd = x.d.data() + r0 * nb;
+  const int32_t* xs = x.sum8.data() + r0 * nb;
+  const __m512i m4 = _mm512_set1_epi8(15), bias = _mm512_set1_epi8(char(0x80));
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t *o0 = g0 + b * GB, *o1 = g1 + b * GB;
+    const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o0))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(o1)), 1));
+    __m512i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+    const int8_t* xb = xq + b * QK;
+    if constexpr (q4) {
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m512i q = two_groups(o0 + 16 + 32 * c, o1 + 16 + 32 * c);
+        const __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          s[r] = _mm512_dpbusd_epi32(s[r], lo, x_quad(xb + r * K + 4 * c));
+          s[r] = _mm512_dpbusd_epi32(s[r], hi, x_quad(xb + r * K + 16 + 4 * c));
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        const __m512i q = _mm512_xor_si512(two_groups(o0 + 16 + 32 * c, o1 + 16 + 32 * c), bias);  // w + 128
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) s[r] = _mm512_dpbusd_epi32(s[r], q, x_quad(xb + r * K + 4 * c));
+      }
+    }
+    for (int r = 0; r < R; ++r) {  // less the bias terms, as in the decode kernels
+      const __m512i dot = _mm512_sub_epi32(s[r], _mm512_set1_epi32((q4 ? 1 : 16) * xs[r * nb + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+template <class T>
+inline void tiles_i8(const QuantizedX& x, int64_t M, const Rows& W, int64_t n, float* y, int64_t ldy, int64_t x0) {
+  const uint8_t *g0 = W.row(n), *g1 = W.row(n + RG);
+  for (int64_t r0 = 0; r0 < M; r0 += TILE_ROWS) {
+    float* yr = y + r0 * ldy + n;
+    switch (std::min<int64_t>(TILE_ROWS, M - r0)) {
+      case 1: tile_i8<T, 1>(x, x0 + r0, g0, g1, yr, ldy); break;
+      case 2: tile_i8<T, 2>(x, x0 + r0, g0, g1, yr, ldy); break;
+      case 3: tile_i8<T, 3>(x, x0 + r0, g0, g1, yr, ldy); break;
+      case 4: tile_i8<T, 4>(x, x0 + r0, g0, g1, yr, ldy); break;
+      case 5: tile_i8<T, 5>(x, x0 + r0, g0, g1, yr, ldy); break;
+      case 6: tile_i8<T, 6>(x, x0 + r0, g0, g1, yr, ldy); break;
+      case 7: tile_i8<T, 7>(x, x0 + r0, g0, g1, yr, ldy); break;
+      default: tile_i8<T, 8>(x, x0 + r0, g0, g1, yr, ldy); break;
+    }
+  }
+}
+#else
+#define QWEN35_I8_TILES 0
+#endif
+
 // block_i8 for many rows of x (prefill): x's rows in tiles of at most 64 KiB of quants, so that a
 // tile stays in L2 while the weight groups of [n0, n1) are read against it (each group from L1 for
-// all of the tile's rows). Each row's y is the same bit for bit as in a product of that row alone.
+// all of the tile's rows); in the 512-bit tiles above where the build has them. Each row's y is the
+// same bit for bit as in a product of that row alone.
 inline void block_i8_rows(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y,
                           int64_t ldy) {
   const int64_t tile = std::max<int64_t>(4, (int64_t(64) << 10) / std::max<int64_t>(x.K, 1) / 4 * 4);
-  for (int64_t m0 = 0; m0 < M; m0 += tile) block_i8(x, std::min(tile, M - m0), W, n0, n1, y + m0 * ldy, ldy, m0);
+  for (int64_t m0 = 0; m0 < M; m0 += tile) {
+    const int64_t rows = std::min(tile, M - m0);
+    int64_t n = n0;
+#if QWEN35_I8_TILES
+    for (; n + 2 * RG <= n1; n += 2 * RG) {
+      if (W.fmt == Q4_0)
+        tiles_i8<TraitsQ4_0>(x, rows, W, n, y + m0 * ldy, ldy, m0);
+      else
+        tiles_i8<TraitsQ8_0>(x, rows, W, n, y + m0 * ldy, ldy, m0);
+    }
+#endif
+    block_i8(x, rows, W, n, n1, y + m0 * ldy, ldy, m0);  // the groups left (all without the tiles)
+  }
 }
 
 // Whether products with W take the int8-activation path.
