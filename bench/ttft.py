@@ -29,6 +29,7 @@ from bench.formats import make_checkpoint, prefill
 from bench.lm import prefill_flops
 from bench.limits import best_time
 from bench.vision import build_towers, vision_flops
+from mm.loading import set_vision_compute
 
 COMPUTES = {"bf16": ("fp32", "bf16"), "int8": ("fp32", "bf16", "int8"), "int4": ("fp32", "bf16", "int8")}
 
@@ -67,12 +68,12 @@ def vision(depth: int, rounds: int, limit: dict) -> None:
     times = {}
     with torch.inference_mode():
         for c in ("fp32", "bf16"):
-            ours.compute = c
+            set_vision_compute(c, ours)
             ours(pixels, grid_thw)
             times[c] = min(best_time(lambda: ours(pixels, grid_thw), repeats=1, warmup=0) for _ in range(rounds))
-        ours.compute = "fp32"
+        set_vision_compute("fp32", ours)
         exact = ours(pixels, grid_thw)
-        ours.compute = "bf16"
+        set_vision_compute("bf16", ours)
         err = float((ours(pixels, grid_thw) - exact).abs().max() / exact.abs().max())
     flops = vision_flops(ours.config, grid)
     for c, seconds in times.items():

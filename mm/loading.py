@@ -10,7 +10,7 @@ import torch
 from lm import CheckpointReader, WeightError, load_lm_weights
 from lm.formats import policy
 from lm.hugepages import advise_huge_pages
-from lm.kernels import release_openmp_workers
+from lm.kernels import bf16_attention_kernel, release_openmp_workers
 from lm.kernels.compute import check as check_compute
 from lm.kernels.compute import cpu_flags, say_once
 from lm.linear import Linear
@@ -132,7 +132,15 @@ def set_compute(compute: str, model: VLModel) -> None:
         if isinstance(module, (Linear, Experts)):
             module.compute = compute
     if model.visual is not None:
-        model.visual.compute = vision_compute(compute, model.visual)
+        set_vision_compute(compute, model.visual)
+
+
+def set_vision_compute(compute: str, visual) -> None:
+    """The tower's compute format (`vision_compute`) and, under bf16 on CPU, its attention kernel
+    (lm.kernels.bf16_attention_kernel; None: torch's SDPA)."""
+    visual.compute = vision_compute(compute, visual)
+    bf16 = visual.compute == "bf16" and visual.pos_embed.weight.device.type == "cpu"
+    visual.attend = bf16_attention_kernel(visual.config.head_dim) if bf16 else None
 
 
 def vision_compute(compute: str, visual) -> str:

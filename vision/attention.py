@@ -45,12 +45,18 @@ class Segments:
         return sum(c * n for _, c, n in self.runs)
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """Attention of packed `q, k, v [N, H, D]` (any strides) within each segment: returns `[N, H*D]`."""
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments,
+                      attend=None) -> torch.Tensor:
+    """Attention of packed `q, k, v [N, H, D]` (any strides) within each segment: returns `[N, H*D]`.
+    `attend(q, k, v, scale)`, when given, takes the place of SDPA: [count, length, H, D] in and out."""
     n, heads, head_dim = q.shape
     outs = []
     for start, count, length in segments.runs:
         tokens = slice(start, start + count * length)
+        if attend is not None:
+            views = (t[tokens].view(count, length, heads, head_dim) for t in (q, k, v))
+            outs.append(attend(*views, head_dim**-0.5).view(count * length, heads * head_dim))
+            continue
         # [count*length, H, D] -> [count, H, length, D] (a view; SDPA reads the strides)
         q_r, k_r, v_r = (t[tokens].view(count, length, heads, head_dim).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q_r, k_r, v_r)  # [count, H, length, D]

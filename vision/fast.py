@@ -52,11 +52,12 @@ def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torc
 
 
 def fast_block(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               segments: Segments, ws: Workspace, compute: str = "fp32") -> torch.Tensor:
+               segments: Segments, ws: Workspace, compute: str = "fp32", attend=None) -> torch.Tensor:
     """`VisionBlock` forward updating `x [N, C]` in place; scratch from `ws`; the products in
-    `compute` (vision/linear.py: "fp32", or "bf16"). Returns x."""
+    `compute` (vision/linear.py: "fp32", or "bf16"), bf16 attention through `attend` when given
+    (`VisionModel.attend`). Returns x."""
     if compute == "bf16" and x.dtype == torch.float32:
-        return _bf16_block(block, x, cos, sin, segments, ws)
+        return _bf16_block(block, x, cos, sin, segments, ws, attend)
     attn, mlp = block.attn, block.mlp
     n, c = x.shape
     heads, head_dim = attn.num_heads, attn.head_dim
@@ -76,11 +77,11 @@ def fast_block(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: 
 
 
 def _bf16_block(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                segments: Segments, ws: Workspace) -> torch.Tensor:
+                segments: Segments, ws: Workspace, attend=None) -> torch.Tensor:
     """The block with bf16 products for a float32 residual stream `x [N, C]` (updated in place):
     the norms' outputs rounded to bf16 once, each product's output left in bf16 (oneDNN's bf16 GEMM,
     float32 sums, the bias added before the rounding) and fed as it is to the next step: rotary
-    (float32, rounded back), SDPA (float32 softmax and sums inside), GELU; only the two residual
+    (float32, rounded back), attention (SDPA or `attend`: float32 softmax and sums inside), GELU; only the two residual
     updates come back to float32, each added with its bias in float32. Against float32 compute on
     the same weights, each product's inputs and output are rounded to bf16 (tests/lm/test_compute.py).
     The large activations live in `ws`, as in `fast_block`."""
@@ -92,7 +93,7 @@ def _bf16_block(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin:
     qkv = qkv.view(n, 3, heads, head_dim)
     qk = rotate_into(qkv[:, :2], cos, sin, ws.get("qk", (n, 2, heads, head_dim)))  # float32
     qk = ws.get("qk16", (n, 2, heads, head_dim), bf16).copy_(qk)
-    o = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], segments)  # [N, C] bf16
+    o = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], segments, attend)  # [N, C] bf16
     update = ws.get("update16", (n, c), bf16)
     x.add_(torch.mm(o, attn.proj.weight.to(bf16).t(), out=update)).add_(attn.proj.bias)
     h = _bf16_norm(x, block.norm2, ws)

@@ -89,6 +89,9 @@ class VisionModel(nn.Module):
         self.config = config
         self.fast = fast
         self.compute = "fp32"  # the blocks' products: "fp32" or "bf16" (vision/linear.py); set at load
+        # bf16 compute's attention: None (torch's SDPA) or a kernel attend(q, k, v, scale) of bf16
+        # [B, L, H, D] with no mask, given at load by whoever has one (mm: lm.kernels.bf16_attention_kernel)
+        self.attend = None
         self.patch_embed = PatchEmbed(config)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
@@ -123,7 +126,7 @@ class VisionModel(nn.Module):
         if self.fast:
             ws = Workspace(x.device, x.dtype)
             for block in self.blocks:
-                x = fast_block(block, x, cos, sin, segments, ws, self.compute)
+                x = fast_block(block, x, cos, sin, segments, ws, self.compute, self.attend)
         else:
             for block in self.blocks:
                 x = block(x, cos, sin, segments)

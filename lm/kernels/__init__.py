@@ -342,6 +342,17 @@ def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> 
     return k.causal_conv(x.contiguous(), window.contiguous(), weight.contiguous())
 
 
+def bf16_attention_kernel(head_dim: int):
+    """`attend(q, k, v, scale)` for bf16 [B, L, H, D] with no mask and D = head_dim
+    (bf16_attention.cpp: vdpbf16ps, float32 softmax), or None where torch's SDPA is the choice: head
+    dims above 80 or odd, kernels built without AVX512-BF16, or a CPU with AMX tiles (oneDNN's bf16
+    products there; docs/kernel-decisions.md)."""
+    k = _kernels()
+    if k is None or not k.BF16_ATTENTION or tiles(k) or head_dim % 2 or head_dim > 80:
+        return None
+    return k.bf16_attention
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor | None:
     """`x / rms(x) * (offset + weight)` over the last dim in one pass; None when n/a."""
     if x.numel() == 0 or x.stride(-1) != 1 or (k := _fusable(x)) is None:

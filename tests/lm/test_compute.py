@@ -9,6 +9,9 @@ Bounds, stated here and in the README:
 - end to end (the tiny random models, whose every parameter is perturbed): logits of bf16 / int8
   compute within 3% of their range from fp32 compute on the same weights, MoE and dense, batch 1
   and batch 8 with left padding; vision features within 2% of theirs.
+- bf16 attention (bf16_attention.cpp, the vision tower's without AMX): within 1% of the largest
+  output of float32 attention of the same bf16 inputs (the probabilities and the output each
+  rounded to bf16: 2^-9 relative each).
 """
 
 import pytest
@@ -143,7 +146,39 @@ def test_vision_features_bf16_against_fp32(checkpoints):
     visual.compute = "bf16"
     quick = visual(pixels, grid)
     assert 0 < rel_err(quick, exact) < 0.02  # bf16 products ran (not equal) within the bound
-    assert mm.load_model(path, weights="bf16", compute="bf16").visual.compute == "bf16"
+    bf16 = mm.load_model(path, weights="bf16", compute="bf16").visual
+    assert bf16.compute == "bf16" and model.visual.attend is None  # fp32 compute: SDPA
+    assert (bf16.attend is None) == (kernels.bf16_attention_kernel(cfg.head_dim) is None)
+    if bf16.attend is not None:  # the tower through the bf16 attention kernel, within the same bound
+        visual.attend = bf16.attend
+        assert 0 < rel_err(visual(pixels, grid), exact) < 0.02
+
+
+@pytest.mark.parametrize("length, heads, head_dim", [(37, 3, 72), (64, 2, 64), (5, 1, 16), (130, 2, 40)])
+def test_bf16_attention_against_float32_attention(length, heads, head_dim):
+    """The bf16 attention kernel, on strided q / k / v as the vision tower passes them (q and k from
+    one [N, 2, H, D] buffer, v from [N, 3, H, D]), two segments of `length`, against float32 SDPA of
+    the same bf16 values; where it is not built (no AVX512-BF16) or AMX tiles serve bf16, the
+    tower keeps SDPA and the kernel says why it cannot run."""
+    g = torch.Generator().manual_seed(length)
+    n = 2 * length
+    qk = (torch.randn(n, 2, heads, head_dim, generator=g) * 2).bfloat16()
+    qkv = torch.randn(n, 3, heads, head_dim, generator=g).bfloat16()
+    q, k, v = (t.view(2, length, heads, head_dim) for t in (qk[:, 0], qk[:, 1], qkv[:, 2]))
+    attend = kernels.bf16_attention_kernel(head_dim)
+    built = kernels.compiled() is not None and kernels.compiled().BF16_ATTENTION
+    if attend is None:
+        assert not built or compute.tiles(kernels.compiled())
+        if kernels.compiled() is not None and not built:
+            with pytest.raises(RuntimeError, match="built without AVX512-BF16"):
+                kernels.compiled().bf16_attention(q, k, v, 0.1)
+        return
+    out = attend(q, k, v, head_dim**-0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, length, heads, head_dim)
+    ref = F.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    err = rel_err(out.float(), ref)
+    assert 0 < err < 0.01
+    assert kernels.bf16_attention_kernel(96) is None and kernels.bf16_attention_kernel(71) is None
 
 
 def test_a_failed_start_up_check_keeps_auto_off_the_tiles(monkeypatch, capsys):
