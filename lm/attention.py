@@ -88,17 +88,27 @@ class GatedAttention(nn.Module):
         q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         k, v = slot.append(k, v)  # [B, KV, L, D]
         if t == 1:
-            out = decode_attention(q, k, v, mask, d**-0.5)
+            out = decode_attention(q, k, v, mask, d**-0.5).transpose(1, 2)
         else:
-            # prefill in the layer's compute format (that of its projections, lm/kernels/compute.py):
-            # bf16 queries, keys and values, float32 softmax and sums inside SDPA; the cache keeps float32
-            low = kernels.prefill_compute(self.o_proj.compute, self.o_proj.weight, q) == "bf16"
-            q, k, v = (z.to(torch.bfloat16) for z in (q, k, v)) if low else (q, k, v)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=d**-0.5, enable_gqa=True
-            ).to(x.dtype)  # [B, H, T, D]
-        out = out.transpose(1, 2).reshape(b, t, self.num_heads * d)
+            out = self._prefill_attention(q, k, v, mask).to(x.dtype)  # [B, T, H, D]
+        out = out.reshape(b, t, self.num_heads * d)
         return self.o_proj(out * torch.sigmoid(gate.reshape(b, t, -1)))
+
+    def _prefill_attention(self, q, k, v, mask) -> torch.Tensor:
+        """q [B, H, T, D], k and v [B, KV, L, D] -> [B, T, H, D], in the layer's compute format (that of
+        its projections, lm/kernels/compute.py): under bf16 or int8 compute, bf16 queries, keys and
+        values with float32 softmax and sums, through the bf16 attention kernel where it runs (AVX512-BF16
+        without AMX; causal, no mask) and SDPA under bf16 compute elsewhere; the cache keeps float32."""
+        scale = self.head_dim**-0.5
+        how = kernels.prefill_compute(self.o_proj.compute, self.o_proj.weight, q)
+        attend = kernels.bf16_attention_kernel(self.head_dim) if how != "fp32" and mask is None else None
+        if attend is not None:
+            return attend(*(z.transpose(1, 2).to(torch.bfloat16) for z in (q, k, v)), scale, True)
+        if how == "bf16":
+            q, k, v = (z.to(torch.bfloat16) for z in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                             enable_gqa=True)  # fmt: skip
+        return out.transpose(1, 2)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (with its gate half), k, v projections; on CPU decode rows as one kernel call."""

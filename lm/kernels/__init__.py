@@ -343,12 +343,12 @@ def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> 
 
 
 def bf16_attention_kernel(head_dim: int):
-    """`attend(q, k, v, scale)` for bf16 [B, L, H, D] with no mask and D = head_dim
-    (bf16_attention.cpp: vdpbf16ps, float32 softmax), or None where torch's SDPA is the choice: head
-    dims above 80 or odd, kernels built without AVX512-BF16, or a CPU with AMX tiles (oneDNN's bf16
-    products there; docs/kernel-decisions.md)."""
+    """`attend(q, k, v, scale, causal=False)` for bf16 q [B, T, H, D], k and v [B, L, KV, D] with
+    D = head_dim, no mask or causal (bf16_attention.cpp: vdpbf16ps, float32 softmax), or None where
+    torch's SDPA is the choice: head dims above 256 or odd, kernels built without AVX512-BF16, or a
+    CPU with AMX tiles (oneDNN's bf16 products there; docs/kernel-decisions.md)."""
     k = _kernels()
-    if k is None or not k.BF16_ATTENTION or tiles(k) or head_dim % 2 or head_dim > 80:
+    if k is None or not k.BF16_ATTENTION or tiles(k) or head_dim % 2 or head_dim > 256:
         return None
     return k.bf16_attention
 

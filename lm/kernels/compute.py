@@ -13,6 +13,10 @@ front end), held by each layer (`Linear.compute`, `Experts.compute`) and resolve
            (bench/ttft.py measures it against the float32 path), else int8 for Q8_0 / Q4_0 weights,
            and for bf16 ones bf16 where the CPU has AVX512-BF16 (torch's bf16 GEMM), else fp32
 
+A gated attention layer's prefill follows its projections: under bf16 or int8 compute, bf16
+queries, keys and values with float32 softmax and sums (bf16_attention.cpp on CPUs with AVX512-BF16
+and no AMX; torch's SDPA under bf16 compute elsewhere).
+
 Errors against float32 on the same weights: tests/lm/test_compute.py.
 """
 

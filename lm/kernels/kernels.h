@@ -76,7 +76,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps, double offset);
 at::Tensor gated_rms_norm(at::Tensor x, at::Tensor z, at::Tensor w, double eps);
 std::vector<at::Tensor> causal_conv(at::Tensor x, at::Tensor window, at::Tensor weight);
-at::Tensor bf16_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale);
+at::Tensor bf16_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale, bool causal);
 bool bf16_attention_built();
 // greedy sampling: the index of the first largest value of a float32 vector (the first NaN if any)
 int64_t argmax(at::Tensor x);

@@ -9,7 +9,8 @@ Bounds, stated here and in the README:
 - end to end (the tiny random models, whose every parameter is perturbed): logits of bf16 / int8
   compute within 3% of their range from fp32 compute on the same weights, MoE and dense, batch 1
   and batch 8 with left padding; vision features within 2% of theirs.
-- bf16 attention (bf16_attention.cpp, the vision tower's without AMX): within 1% of the largest
+- bf16 attention (bf16_attention.cpp: the vision tower's, and the LM's causal prefill attention
+  under bf16 or int8 compute, on CPUs with AVX512-BF16 and no AMX): within 1% of the largest
   output of float32 attention of the same bf16 inputs (the probabilities and the output each
   rounded to bf16: 2^-9 relative each).
 """
@@ -115,12 +116,17 @@ def _logits(model, ids, mask=None):
 
 @pytest.mark.parametrize("kind", ["moe", "dense"])
 @pytest.mark.parametrize("weights, fast", [("int4", "bf16"), ("int8", "int8"), ("bf16", "bf16")])
-def test_end_to_end_logits_against_fp32_compute(checkpoints, kind, weights, fast):
+def test_end_to_end_logits_against_fp32_compute(checkpoints, kind, weights, fast, monkeypatch):
     path = checkpoints(kind)[1]
     exact, quick = mm.load_model(path, weights=weights, compute="fp32"), mm.load_model(path, weights=weights, compute=fast)
+    attended = []  # the prefill attention's calls of the bf16 attention kernel, where it runs
+    kernel = kernels.bf16_attention_kernel(quick.config.text.head_dim)
+    if kernel is not None:
+        monkeypatch.setattr(kernels, "bf16_attention_kernel", lambda d: lambda *a: attended.append(1) or kernel(*a))
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, 400, (1, 48), generator=g)
     assert rel_err(_logits(quick, ids), _logits(exact, ids)) < 0.03
+    assert bool(attended) == (kernel is not None)  # the unmasked prefill took it (fp32 compute never does)
     batch = torch.randint(3, 400, (8, 40), generator=g)  # batch 8, left padding
     mask = torch.ones_like(batch)
     for row, pad in enumerate([0, 3, 7, 12, 0, 20, 5, 30]):
@@ -176,9 +182,28 @@ def test_bf16_attention_against_float32_attention(length, heads, head_dim):
     out = attend(q, k, v, head_dim**-0.5)
     assert out.dtype == torch.bfloat16 and out.shape == (2, length, heads, head_dim)
     ref = F.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
-    err = rel_err(out.float(), ref)
-    assert 0 < err < 0.01
-    assert kernels.bf16_attention_kernel(96) is None and kernels.bf16_attention_kernel(71) is None
+    assert 0 < rel_err(out.float(), ref) < 0.01
+    assert kernels.bf16_attention_kernel(258) is None and kernels.bf16_attention_kernel(71) is None
+
+
+@pytest.mark.parametrize("queries, keys, heads, kv_heads, head_dim", [(50, 50, 4, 2, 256), (19, 40, 2, 1, 72),
+                                                                       (33, 33, 3, 3, 128), (1, 9, 2, 2, 96)])
+def test_causal_bf16_attention_against_float32_attention(queries, keys, heads, kv_heads, head_dim):
+    """The LM's prefill attention through the kernel: causal (the last `queries` of `keys` positions,
+    each query seeing itself and the keys before it), grouped key heads, the cache's [B, KV, L, D]
+    layout passed transposed, head dims up to 256; against float32 SDPA of the same bf16 values."""
+    attend = kernels.bf16_attention_kernel(head_dim)
+    if attend is None:  # no kernel here: the layer keeps SDPA (checked in the test above)
+        assert kernels.compiled() is None or not kernels.compiled().BF16_ATTENTION or compute.tiles(kernels.compiled())
+        return
+    g = torch.Generator().manual_seed(queries)
+    q = torch.randn(2, heads, queries, head_dim, generator=g).bfloat16()
+    k, v = (torch.randn(2, kv_heads, keys, head_dim, generator=g).bfloat16() for _ in range(2))
+    out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), head_dim**-0.5, True)
+    assert out.shape == (2, queries, heads, head_dim)
+    sees = torch.arange(keys)[None, :] <= torch.arange(keys - queries, keys)[:, None]  # [T, L]
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=sees, enable_gqa=True)
+    assert 0 < rel_err(out.float(), ref.transpose(1, 2)) < 0.01
 
 
 def test_a_failed_start_up_check_keeps_auto_off_the_tiles(monkeypatch, capsys):
