@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from lm.gguf_read import GGUFFile
+from lm.kernels.compute import say_once
 from lm.weights import WeightError
 from vision import VisionConfig
 
@@ -58,10 +59,26 @@ def param_name(gguf_name: str) -> str:
     raise WeightError(f"unexpected mmproj tensor {gguf_name!r}: no parameter of the vision tower")
 
 
+def _say_conversions(visual: torch.nn.Module, file: GGUFFile, params: dict) -> None:
+    """One line on stderr for each way the file's tensors change on the way into the tower."""
+    blocks = sorted({file.type_of(g) for g in file.tensors} - {"F32", "F16", "BF16"})
+    if blocks:
+        say_once(f"mmproj-blocks-{'-'.join(blocks)}", f"mmproj {file.path.name}: its {', '.join(blocks)} tensors are "
+                 "dequantized into the vision tower's float matrices (the tower has no block-format products)")  # fmt: skip
+    to_bf16 = [g for g in file.tensors if file.type_of(g) == "F16" and g != "v.patch_embd.weight.1"
+               and params.get(param_name(g), torch.empty(0)).dtype == torch.bfloat16]  # fmt: skip
+    if to_bf16:
+        say_once("mmproj-f16-bf16", f"mmproj {file.path.name}: {len(to_bf16)} F16 matrices rounded to bf16, the "
+                 "vision tower's storage asked for (vision=fp32 in --weights keeps them exact)")  # fmt: skip
+
+
 def load_mmproj_weights(visual: torch.nn.Module, file: GGUFFile) -> None:
-    """Copy every tensor of the mmproj file into the tower (cast to its parameters' dtypes)."""
+    """Copy every tensor of the mmproj file into the tower (cast to its parameters' dtypes). The
+    tower multiplies float matrices only: block-format tensors are dequantized, and F16 ones rounded
+    into bf16 matrices; each said once."""
     params = dict(visual.named_parameters())
     pending = set(params)
+    _say_conversions(visual, file, params)
     with torch.no_grad():
         for g in file.tensors:
             if g == "v.patch_embd.weight.1":

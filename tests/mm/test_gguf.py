@@ -345,6 +345,22 @@ def test_an_mmproj_file_gives_the_vision_tower_of_the_hf_checkpoint(tmp_path):
         mm.load_model(tmp_path / "nowhere", mmproj=FIXTURES / "mmproj-dense-vl-f32.gguf")
 
 
+def test_a_quantized_mmproj_is_dequantized_into_the_tower_and_said(tmp_path, capsys):
+    """An mmproj whose projector matrix is Q8_0 (as llama.cpp's quantize can write): the tower holds
+    its dequantized values (gguf's reference, bit for bit), and the loader says so once."""
+    def change(name, data, qtype):
+        if name == "mm.0.weight":
+            return gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+        return None
+
+    mmproj = rewrite(FIXTURES / "mmproj-dense-vl-f32.gguf", tmp_path / "mmproj-q8.gguf", change=change)
+    model = mm.load_model(FIXTURES / "dense-vl-f32.gguf", mmproj=mmproj, compute="fp32")
+    assert "mmproj-q8.gguf: its Q8_0 tensors are dequantized into the vision tower" in capsys.readouterr().err
+    t = {t.name: t for t in gguf.GGUFReader(mmproj).tensors}["mm.0.weight"]
+    expect = torch.from_numpy(gguf.quants.dequantize(np.array(t.data), t.tensor_type))
+    assert torch.equal(model.visual.merger.linear_fc1.weight.float(), expect)
+
+
 def test_the_pipeline_answers_about_an_image_from_gguf_files(tmp_path):
     from lm import SamplingParams
 
