@@ -62,26 +62,27 @@ at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Ten
     const WorkerModes modes(inference);  // inference only (grad and inference modes are per thread)
     at::Tensor gate_up_f, down_f;  // this thread's float32 copy of the current expert (compact formats)
     QuantizedX xq;  // this thread's current expert's rows of x, then of act, in Q8_0 blocks (int8 path)
+    std::vector<float> h_buf, act_buf;  // and their gate / up outputs and activations (int8 path)
     if (compact && !i8 && !amx) gate_up_f = at::empty({2 * I, H}, x.options()), down_f = at::empty({H, I}, x.options());
     for (int64_t i = next++; i < E; i = next++) {
       const int64_t e = order[i], r0 = op[e], rows = op[e + 1] - r0;
       if (rows == 0) break;  // sorted: the rest are empty
+      if (i8 && !i8_tiles) {  // x's rows and act rounded to Q8_0, integer dot products (int8_dot.h)
+        h_buf.resize(rows * 2 * I), act_buf.resize(rows * I);
+        ys[e] = at::empty({rows, H}, x.options());
+        float *hp = h_buf.data(), *ap = act_buf.data(), *yp = ys[e].data_ptr<float>();
+        size_quantized_x(rows, H, xq);
+        quantize_x_rows(x.data_ptr<float>(), 0, rows, H, xq, tp + r0);  // the expert's tokens, gathered
+        block_i8_rows(xq, rows, gu.from(e * 2 * I), 0, 2 * I, hp, 2 * I);
+        for (int64_t r = 0; r < rows; ++r) silu_mul(hp + r * 2 * I, hp + r * 2 * I + I, ap + r * I, I);
+        quantize_x(ap, rows, I, I, xq);
+        block_i8_rows(xq, rows, dn.from(e * H), 0, H, yp, H);
+        continue;
+      }
       auto xe = at::index_select(x, 0, tok.narrow(0, r0, rows));  // [rows, H]
       if (i8_tiles) {  // x and act rounded to Q8_0, integer products on AMX tiles (amx_linear.cpp)
         auto h = amx_int8_linear(xe, gate_up[e]);  // [rows, 2I]
         ys[e] = amx_int8_linear(at::silu(h.narrow(1, 0, I)).mul_(h.narrow(1, I, I)), down[e]);  // [rows, H]
-        continue;
-      }
-      if (i8) {  // x and act rounded to Q8_0, integer dot products (int8_dot.h), no float32 copy
-        auto h = at::empty({rows, 2 * I}, x.options());
-        auto act = at::empty({rows, I}, x.options());
-        ys[e] = at::empty({rows, H}, x.options());
-        float *hp = h.data_ptr<float>(), *ap = act.data_ptr<float>();
-        quantize_x(xe.data_ptr<float>(), rows, H, H, xq);
-        block_i8_rows(xq, rows, gu.from(e * 2 * I), 0, 2 * I, hp, 2 * I);
-        for (int64_t r = 0; r < rows; ++r) silu_mul(hp + r * 2 * I, hp + r * 2 * I + I, ap + r * I, I);
-        quantize_x(ap, rows, I, I, xq);
-        block_i8_rows(xq, rows, dn.from(e * H), 0, H, ys[e].data_ptr<float>(), H);
         continue;
       }
       if (amx) {  // bf16 tiles, each expert's weights converted in panels (amx_linear.cpp), one thread

@@ -60,12 +60,14 @@ inline int quantize_block(const float* xb, int8_t* q, float& d) {
 }
 #endif
 
-// Rows [m0, m1) of x into out, which holds room for them (quantize_x sizes it).
-inline void quantize_x_rows(const float* x, int64_t m0, int64_t m1, int64_t ldx, QuantizedX& out) {
+// Rows [m0, m1) of x into out, which holds room for them (quantize_x sizes it); with `rows`, out's
+// row m is x's row rows[m] (a gather: prefill experts' tokens).
+inline void quantize_x_rows(const float* x, int64_t m0, int64_t m1, int64_t ldx, QuantizedX& out,
+                            const int64_t* rows = nullptr) {
   const int64_t K = out.K;
   for (int64_t m = m0; m < m1; ++m)
     for (int64_t b = 0; b < K / QK; ++b) {
-      const float* xb = x + m * ldx + b * QK;
+      const float* xb = x + (rows ? rows[m] : m) * ldx + b * QK;
       int8_t* q = out.q.data() + m * K + b * QK;
       float d;
 #if defined(__AVX2__)
