@@ -34,7 +34,8 @@ bool bf16_attention_built() { return QWEN35_BF16_ATTENTION; }
 #if QWEN35_BF16_ATTENTION
 namespace {
 
-constexpr int QROWS = 16;  // queries of one task: their scores share each tile of keys
+constexpr int QROWS = 16;  // queries of one task (their probabilities share each pass over the values)
+constexpr int SROWS = 8;   // queries of one pass over the keys (8 x 2 sums: two tiles of keys a step)
 constexpr int OROWS = 4;   // queries of one pass over the values (4 x 5 sums: 80 dims at a time)
 
 using bf16 = uint16_t;
@@ -60,41 +61,60 @@ struct Head {
 };
 
 // Scores of R queries i0.. against the first `keys` keys (whole tiles of 16) into s [R][Lt], times
-// scale, -inf where a query may not look; their maxima into m.
+// scale, -inf where a query may not look; their maxima into m. Two tiles of keys a step, so that each
+// broadcast of a query's dim pair serves two products (the keys are laid out in whole pairs of tiles).
 template <int R>
 void scores(const Head& h, int64_t i0, int64_t keys, float scale, float* s, int64_t Lt, float* m) {
   const int64_t D = h.D;
   __m512 mx[R];
   for (int r = 0; r < R; ++r) mx[r] = _mm512_set1_ps(-INFINITY);
-  for (int64_t j0 = 0; j0 < keys; j0 += 16) {
-    const bf16* tile = h.kt + j0 * D;
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < keys; j0 += 32) {
+    const bf16 *tile = h.kt + j0 * D, *next = tile + 16 * D;
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t p = 0; p < D / 2; ++p) {
-      const __m512i k = _mm512_loadu_si512(tile + p * 32);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) acc[r] = dot2(acc[r], k, pair_of(h.q + (i0 + r) * h.lq + 2 * p));
+      const __m512i k0 = _mm512_loadu_si512(tile + p * 32), k1 = _mm512_loadu_si512(next + p * 32);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512i qp = pair_of(h.q + (i0 + r) * h.lq + 2 * p);
+        acc[r][0] = dot2(acc[r][0], k0, qp);
+        acc[r][1] = dot2(acc[r][1], k1, qp);
+      }
     }
-    for (int r = 0; r < R; ++r) {
-      const int64_t seen = std::min(h.L, h.seen + i0 + r) - j0;  // keys of this tile query r sees
-      const __mmask16 real = seen >= 16 ? __mmask16(0xffff) : seen <= 0 ? __mmask16(0) : __mmask16((1u << seen) - 1);
-      const __m512 v = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), real, acc[r], _mm512_set1_ps(scale));
-      _mm512_storeu_ps(s + r * Lt + j0, v);
-      mx[r] = _mm512_max_ps(mx[r], v);
-    }
+    for (int t = 0; t < 2 && j0 + 16 * t < keys; ++t)
+      for (int r = 0; r < R; ++r) {
+        const int64_t seen = std::min(h.L, h.seen + i0 + r) - j0 - 16 * t;  // keys of this tile query r sees
+        const __mmask16 real = seen >= 16 ? __mmask16(0xffff) : seen <= 0 ? __mmask16(0) : __mmask16((1u << seen) - 1);
+        const __m512 v = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), real, acc[r][t], _mm512_set1_ps(scale));
+        _mm512_storeu_ps(s + r * Lt + j0 + 16 * t, v);
+        mx[r] = _mm512_max_ps(mx[r], v);
+      }
   }
   for (int r = 0; r < R; ++r) m[r] = _mm512_reduce_max_ps(mx[r]);
+}
+
+// exp(x) for x <= 0 (-inf: any value, masked by the caller): 2^(x log2(e)) as 2^n 2^f, n the nearest
+// integer, |f| <= 1/2, 2^f by its degree-4 Taylor polynomial (relative error below 5e-5: the
+// probabilities are rounded to bf16 next, 2^-9).
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.00961813f), f, _mm512_set1_ps(0.05550411f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022651f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
 }
 
 // Row s [keys] of scores -> p = bf16(exp(s - m)) (0 where s is -inf), returns the float32 sum.
 float probabilities(const float* s, float m, int64_t keys, bf16* p) {
   __m512 sum = _mm512_setzero_ps();
+  const __m512 mv = _mm512_set1_ps(m);
   for (int64_t j = 0; j < keys; j += 16) {
     const __m512 x = _mm512_loadu_ps(s + j);
-    const vec y = vexp(load(s + j) - m);
-    __m512 e;
-    std::memcpy(&e, &y, sizeof(e));
-    e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), e);
+    const __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(x, mv)));
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
   }
@@ -146,12 +166,14 @@ void values_pass(const Head& h, int64_t i0, int64_t rows, const bf16* p, int64_t
 void query_rows(const Head& h, int64_t i0, int64_t rows, float scale, float* s, bf16* p, int64_t Lt) {
   const int64_t keys = (std::min(h.L, h.seen + i0 + rows - 1) + 15) / 16 * 16;  // whole tiles the rows see
   float m[QROWS], l[QROWS];
-  switch (rows) {  // the scores of every row of the task against each tile of keys in one pass
-#define ROWS(n) case n: scores<n>(h, i0, keys, scale, s, Lt, m); break;
-    ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
-    ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14) ROWS(15)
+  for (int64_t r0 = 0; r0 < rows; r0 += SROWS) {  // the scores, SROWS rows of the task a pass over the keys
+    float* sr = s + r0 * Lt;
+    switch (std::min<int64_t>(SROWS, rows - r0)) {
+#define ROWS(n) case n: scores<n>(h, i0 + r0, keys, scale, sr, Lt, m + r0); break;
+      ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7)
 #undef ROWS
-    default: scores<QROWS>(h, i0, keys, scale, s, Lt, m); break;
+      default: scores<SROWS>(h, i0 + r0, keys, scale, sr, Lt, m + r0); break;
+    }
   }
   for (int64_t r = 0; r < rows; ++r) l[r] = probabilities(s + r * Lt, m[r], keys, p + r * Lt);
   const int64_t vectors = h.Dp / 16;
@@ -175,10 +197,11 @@ void query_rows(const Head& h, int64_t i0, int64_t rows, float scale, float* s, 
   }
 }
 
-// One key head's keys and values [L, D] (rows lk and lv apart) into the tiles and pairs above, zero-padded.
+// One key head's keys and values [L, D] (rows lk and lv apart) into the tiles (a whole number of
+// pairs of them) and pairs above, zero-padded.
 void lay_out(const bf16* k, int64_t lk, const bf16* v, int64_t lv, int64_t L, int64_t D, bf16* kt, bf16* vt) {
-  const int64_t Lt = (L + 15) / 16 * 16, Dp = (D + 15) / 16 * 16;
-  std::fill(kt, kt + Lt * D, bf16(0));
+  const int64_t Lt = (L + 15) / 16 * 16, Dp = (D + 15) / 16 * 16, Lk = (L + 31) / 32 * 32;
+  std::fill(kt, kt + Lk * D, bf16(0));
   std::fill(vt, vt + Lt * Dp, bf16(0));
   for (int64_t j = 0; j < L; ++j) {
     bf16* kj = kt + j / 16 * D * 16 + j % 16 * 2;  // tile j / 16, key j % 16 of it
@@ -206,15 +229,15 @@ at::Tensor bf16_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale
   for (auto* t : {&q, &k, &v}) TORCH_CHECK(t->stride(3) == 1, "bf16_attention: the head dim must be contiguous");
   auto out = at::empty({B, T, H, D}, q.options());
   if (out.numel() == 0) return out;
-  const int64_t Lt = (L + 15) / 16 * 16, Dp = (D + 15) / 16 * 16, rep = H / KV;
-  auto kt = at::empty({B * KV, Lt * D}, q.options()), vt = at::empty({B * KV, Lt * Dp}, q.options());
+  const int64_t Lt = (L + 15) / 16 * 16, Dp = (D + 15) / 16 * 16, rep = H / KV, Lk = (L + 31) / 32 * 32;
+  auto kt = at::empty({B * KV, Lk * D}, q.options()), vt = at::empty({B * KV, Lt * Dp}, q.options());
   auto ptr = [](const at::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); };
   bf16 *ktp = reinterpret_cast<bf16*>(kt.data_ptr()), *vtp = reinterpret_cast<bf16*>(vt.data_ptr());
   at::parallel_for(0, B * KV, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b = g / KV, kh = g % KV;
       lay_out(ptr(k) + b * k.stride(0) + kh * k.stride(2), k.stride(1), ptr(v) + b * v.stride(0) + kh * v.stride(2),
-              v.stride(1), L, D, ktp + g * Lt * D, vtp + g * Lt * Dp);
+              v.stride(1), L, D, ktp + g * Lk * D, vtp + g * Lt * Dp);
     }
   });
   const int64_t blocks = (T + QROWS - 1) / QROWS, tasks = B * H * blocks;
@@ -225,7 +248,7 @@ at::Tensor bf16_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale
     std::vector<bf16> probs(QROWS * Lt);
     for (int64_t t = next++; t < tasks; t = next++) {
       const int64_t bh = t / blocks, i0 = t % blocks * QROWS, b = bh / H, h = bh % H, g = b * KV + h / rep;
-      const Head head{ptr(q) + b * q.stride(0) + h * q.stride(2), q.stride(1), ktp + g * Lt * D, vtp + g * Lt * Dp,
+      const Head head{ptr(q) + b * q.stride(0) + h * q.stride(2), q.stride(1), ktp + g * Lk * D, vtp + g * Lt * Dp,
                       reinterpret_cast<bf16*>(out.data_ptr()) + (b * T * H + h) * D, H * D, D, Dp,
                       causal ? L - T + 1 : L, L};
       query_rows(head, i0, std::min<int64_t>(QROWS, T - i0), s, scores.data(), probs.data(), Lt);
