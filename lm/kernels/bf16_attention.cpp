@@ -36,7 +36,6 @@ namespace {
 
 constexpr int QROWS = 16;  // queries of one task (their probabilities share each pass over the values)
 constexpr int SROWS = 8;   // queries of one pass over the keys (8 x 2 sums: two tiles of keys a step)
-constexpr int OROWS = 4;   // queries of one pass over the values (4 x 5 sums: 80 dims at a time)
 
 using bf16 = uint16_t;
 
@@ -151,13 +150,18 @@ void weighted_values(const Head& h, int64_t i0, const bf16* p, int64_t Lt, int64
 template <int NC>
 void values_pass(const Head& h, int64_t i0, int64_t rows, const bf16* p, int64_t Lt, int64_t keys, const float* l,
                  int64_t c0) {
-  for (int64_t r = 0; r < rows; r += OROWS) {
+  constexpr int R = NC == 1 ? 15 : NC == 2 ? 10 : NC == 3 ? 7 : NC == 4 ? 6 : 5;  // R (NC + 1) < 32 registers
+  for (int64_t r = 0; r < rows; r += R) {
     const bf16* pr = p + r * Lt;
-    switch (std::min<int64_t>(OROWS, rows - r)) {
-      case 1: weighted_values<1, NC>(h, i0 + r, pr, Lt, keys, l + r, c0); break;
-      case 2: weighted_values<2, NC>(h, i0 + r, pr, Lt, keys, l + r, c0); break;
-      case 3: weighted_values<3, NC>(h, i0 + r, pr, Lt, keys, l + r, c0); break;
-      default: weighted_values<OROWS, NC>(h, i0 + r, pr, Lt, keys, l + r, c0); break;
+    const int64_t n = std::min<int64_t>(R, rows - r);
+    if (n == R) {
+      weighted_values<R, NC>(h, i0 + r, pr, Lt, keys, l + r, c0);
+      continue;
+    }
+    switch (n) {  // the last rows of the task
+#define ROWS(m) case m: if constexpr (m < R) weighted_values<m, NC>(h, i0 + r, pr, Lt, keys, l + r, c0); break;
+      ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14)
+#undef ROWS
     }
   }
 }
@@ -176,23 +180,15 @@ void query_rows(const Head& h, int64_t i0, int64_t rows, float scale, float* s, 
     }
   }
   for (int64_t r = 0; r < rows; ++r) l[r] = probabilities(s + r * Lt, m[r], keys, p + r * Lt);
-  const int64_t vectors = h.Dp / 16;
-  if (vectors <= 5) {  // up to 80 dims in one pass over the values
-    switch (vectors) {
-      case 1: values_pass<1>(h, i0, rows, p, Lt, keys, l, 0); break;
-      case 2: values_pass<2>(h, i0, rows, p, Lt, keys, l, 0); break;
-      case 3: values_pass<3>(h, i0, rows, p, Lt, keys, l, 0); break;
-      case 4: values_pass<4>(h, i0, rows, p, Lt, keys, l, 0); break;
-      default: values_pass<5>(h, i0, rows, p, Lt, keys, l, 0); break;
-    }
-    return;
-  }
-  for (int64_t c0 = 0; c0 < vectors; c0 += 4) {  // wider heads: 64 dims a pass
-    switch (std::min<int64_t>(4, vectors - c0)) {
+  // up to 80 dims in one pass over the values, wider heads 64 a pass (measured best of 32 / 48 / 64 / 80)
+  const int64_t vectors = h.Dp / 16, block = vectors <= 5 ? vectors : 4;
+  for (int64_t c0 = 0; c0 < vectors; c0 += block) {
+    switch (std::min<int64_t>(block, vectors - c0)) {
       case 1: values_pass<1>(h, i0, rows, p, Lt, keys, l, c0); break;
       case 2: values_pass<2>(h, i0, rows, p, Lt, keys, l, c0); break;
       case 3: values_pass<3>(h, i0, rows, p, Lt, keys, l, c0); break;
-      default: values_pass<4>(h, i0, rows, p, Lt, keys, l, c0); break;
+      case 4: values_pass<4>(h, i0, rows, p, Lt, keys, l, c0); break;
+      default: values_pass<5>(h, i0, rows, p, Lt, keys, l, c0); break;
     }
   }
 }
