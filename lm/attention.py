@@ -101,7 +101,8 @@ class GatedAttention(nn.Module):
         without AMX; causal, no mask) and SDPA under bf16 compute elsewhere; the cache keeps float32."""
         scale = self.head_dim**-0.5
         how = kernels.prefill_compute(self.o_proj.compute, self.o_proj.weight, q)
-        attend = kernels.bf16_attention_kernel(self.head_dim) if how != "fp32" and mask is None else None
+        plain_cpu = mask is None and q.device.type == "cpu"
+        attend = kernels.bf16_attention_kernel(self.head_dim) if how != "fp32" and plain_cpu else None
         if attend is not None:
             return attend(*(z.transpose(1, 2).to(torch.bfloat16) for z in (q, k, v)), scale, True)
         if how == "bf16":
