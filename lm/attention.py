@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,6 +38,23 @@ def attention_mask_for(cache: Cache, num_tokens: int) -> torch.Tensor | None:
     mask = keys[:, None, :] & (k_pos <= q_pos)  # [B, T, L]
     mask |= k_pos == q_pos
     return mask[:, None]
+
+
+_TAILS: dict[int, bool] = {}  # id(mask) -> causal_tail(mask), while the mask lives
+
+
+def causal_tail(mask: torch.Tensor) -> bool:
+    """Whether a mask [B, 1, T, L] is plain causal attention of the last T of L positions with no
+    padding (query i sees keys j <= L - T + i): a chunk after the first of an unpadded prompt.
+    Checked once per mask (every layer of a forward gets the same one)."""
+    key = id(mask)
+    if key not in _TAILS:
+        t, length = mask.shape[-2:]
+        keys, queries = torch.arange(length, device=mask.device), torch.arange(length - t, length, device=mask.device)
+        sees = keys[None, :] <= queries[:, None]
+        _TAILS[key] = mask.dim() == 4 and mask.shape[1] == 1 and torch.equal(mask, sees.expand_as(mask))
+        weakref.finalize(mask, _TAILS.pop, key, None)  # forgotten with the mask (ids are reused)
+    return _TAILS[key]
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float):
@@ -98,11 +117,12 @@ class GatedAttention(nn.Module):
         """q [B, H, T, D], k and v [B, KV, L, D] -> [B, T, H, D], in the layer's compute format (that of
         its projections, lm/kernels/compute.py): under bf16 or int8 compute, bf16 queries, keys and
         values with float32 softmax and sums, through the bf16 attention kernel where it runs (AVX512-BF16
-        without AMX; causal, no mask) and SDPA under bf16 compute elsewhere; the cache keeps float32."""
+        without AMX; causal with no padding, a later chunk of a prompt too) and SDPA under bf16 compute
+        elsewhere; the cache keeps float32."""
         scale = self.head_dim**-0.5
         how = kernels.prefill_compute(self.o_proj.compute, self.o_proj.weight, q)
-        plain_cpu = mask is None and q.device.type == "cpu"
-        attend = kernels.bf16_attention_kernel(self.head_dim) if how != "fp32" and plain_cpu else None
+        causal = q.device.type == "cpu" and (mask is None or causal_tail(mask))
+        attend = kernels.bf16_attention_kernel(self.head_dim) if how != "fp32" and causal else None
         if attend is not None:
             return attend(*(z.transpose(1, 2).to(torch.bfloat16) for z in (q, k, v)), scale, True)
         if how == "bf16":

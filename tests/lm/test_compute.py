@@ -134,6 +134,24 @@ def test_end_to_end_logits_against_fp32_compute(checkpoints, kind, weights, fast
     assert rel_err(_logits(quick, batch, mask), _logits(exact, batch, mask)) < 0.03
 
 
+def test_a_later_prompt_chunk_takes_the_bf16_attention_kernel(checkpoints, monkeypatch):
+    """A prompt prefilled in two chunks, the second with an explicit causal mask over the cache
+    (lm.attention.causal_tail): its attention runs through the bf16 kernel too where that runs, and
+    the last logits stay within the end-to-end bound of fp32 compute."""
+    path = checkpoints("moe")[1]
+    quick = mm.load_model(path, weights="int8", compute="int8")
+    exact = mm.load_model(path, weights="int8", compute="fp32")
+    kernel = kernels.bf16_attention_kernel(quick.config.text.head_dim)
+    queries = []  # the queries of each call of the kernel
+    if kernel is not None:
+        monkeypatch.setattr(kernels, "bf16_attention_kernel", lambda d: lambda *a: queries.append(a[0].shape[1]) or kernel(*a))
+    ids = torch.randint(3, 400, (1, 48), generator=torch.Generator().manual_seed(5))
+    cache = quick.lm.make_cache(1, 48)
+    quick.lm(ids[:, :30], cache=cache)
+    assert rel_err(quick.lm(ids[:, 30:], cache=cache)[:, -1], exact.lm(ids)[:, -1]) < 0.03
+    assert (18 in queries) == (kernel is not None) and (30 in queries) == (kernel is not None)
+
+
 def test_fp32_weights_keep_the_exact_path_under_auto(checkpoints):
     path = checkpoints("moe")[1]
     auto, exact = mm.load_model(path, weights="fp32"), mm.load_model(path, weights="fp32", compute="fp32")
