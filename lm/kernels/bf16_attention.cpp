@@ -95,7 +95,7 @@ void scores(const Head& h, int64_t i0, int64_t keys, float scale, float* s, int6
 // exp(x) for x <= 0 (-inf: any value, masked by the caller): 2^(x log2(e)) as 2^n 2^f, n the nearest
 // integer, |f| <= 1/2, 2^f by its degree-4 Taylor polynomial (relative error below 5e-5: the
 // probabilities are rounded to bf16 next, 2^-9).
-inline __m512 exp_nonpositive(__m512 x) {
+inline __m512 exp_to_bf16(__m512 x) {
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
@@ -113,7 +113,7 @@ float probabilities(const float* s, float m, int64_t keys, bf16* p) {
   for (int64_t j = 0; j < keys; j += 16) {
     const __m512 x = _mm512_loadu_ps(s + j);
     const __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-    const __m512 e = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(x, mv)));
+    const __m512 e = _mm512_maskz_mov_ps(seen, exp_to_bf16(_mm512_sub_ps(x, mv)));
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
   }
