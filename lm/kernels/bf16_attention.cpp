@@ -1,7 +1,8 @@
 // Attention of bf16 queries, keys and values, with no mask (the vision tower's segments) or causal
-// (the LM's prefill of a fresh sequence, grouped key heads), on CPUs with AVX512-BF16: one vdpbf16ps
-// multiplies 16 pairs of bf16 and adds them to 16 float32 sums, twice the float32 FMA rate, where
-// torch's SDPA runs bf16 inputs at its float32 rate. Per (row, head):
+// (the LM's prefill of an unpadded prompt, any chunk of it: the last T of L positions; grouped key
+// heads), on CPUs with AVX512-BF16: one vdpbf16ps multiplies 16 pairs of bf16 and adds them to 16
+// float32 sums, twice the float32 FMA rate, where torch's SDPA runs bf16 inputs at its float32 rate.
+// Per (row, head):
 //   s[i, j] = scale * (q_i . k_j)                 float32 sums of the bf16 products (exact products)
 //   p[i, j] = exp(s[i, j] - max_j s[i, j])        float32, over all of the keys query i sees at once
 //   out_i   = sum_j bf16(p[i, j]) v_j / sum_j p[i, j]   float32 sums, rounded to bf16 at the end
@@ -10,9 +11,10 @@
 // rescale). Error against float32 attention of the same bf16 inputs: tests/lm/test_compute.py.
 //
 // Layouts: each (row, key head)'s keys are copied into tiles of 16 keys whose pairs of dims lie side
-// by side (kt [L / 16][D / 2][16][2]), so one load serves 16 keys of one dim pair, against a query's
-// dim pair broadcast; its values into pairs of keys (vt [L / 2][Dp][2], Dp = D rounded up to 16), so
-// one load serves 16 dims of two keys, against the two keys' probabilities broadcast.
+// by side (kt [L / 16][D / 2][16][2], L padded to pairs of tiles), so one load serves 16 keys of one
+// dim pair, against a query's dim pair broadcast; its values into pairs of keys (vt [L / 2][Dp][2],
+// Dp = D rounded up to 16), so one load serves 16 dims of two keys, against the two keys'
+// probabilities broadcast.
 
 #include "kernels.h"
 #include "vec.h"
