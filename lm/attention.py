@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,42 +17,26 @@ from .rotary import apply_partial_rotary
 def attention_mask_for(cache: Cache, num_tokens: int) -> torch.Tensor | None:
     """Boolean mask `[B, 1, T, L]` (True = may attend) for the next `num_tokens` queries, or None.
 
-    None means plain causal attention over a fresh, unpadded sequence (or one unpadded decode step).
-    Queries always see their own position, so a left-padding query never has an empty row.
+    None means plain causal attention of the T queries as the last T of the L written positions, with
+    no padding: query i sees keys j <= L - T + i (a fresh sequence, a later chunk of an unpadded
+    prompt, an unpadded decode step). Queries always see their own position, so a left-padding
+    query never has an empty row.
     """
     start, end = cache.length, cache.length + num_tokens
     if cache.lengths is not None:  # ragged: row b's one query sees its own positions [0, lengths[b]]
         if bool((cache.lengths == start).all()):
             return None
         return (torch.arange(end, device=cache.lengths.device)[None, :] <= cache.lengths[:, None])[:, None, None]
-    plain = start == 0 or num_tokens == 1  # causal alone suffices when no key is padding
-    if plain and not cache.padded:  # no written position is padding: spares the pass over the mask
+    if not cache.padded:  # no written position is padding: spares the pass over the mask
         return None
     keys = cache.key_mask[:, :end]  # [B, L]
-    if plain and bool(keys.all()):
+    if bool(keys.all()):
         return None
     q_pos = torch.arange(start, end, device=keys.device)[:, None]  # [T, 1]
     k_pos = torch.arange(end, device=keys.device)[None, :]  # [1, L]
     mask = keys[:, None, :] & (k_pos <= q_pos)  # [B, T, L]
     mask |= k_pos == q_pos
     return mask[:, None]
-
-
-_TAILS: dict[int, bool] = {}  # id(mask) -> causal_tail(mask), while the mask lives
-
-
-def causal_tail(mask: torch.Tensor) -> bool:
-    """Whether a mask [B, 1, T, L] is plain causal attention of the last T of L positions with no
-    padding (query i sees keys j <= L - T + i): a chunk after the first of an unpadded prompt.
-    Checked once per mask (every layer of a forward gets the same one)."""
-    key = id(mask)
-    if key not in _TAILS:
-        t, length = mask.shape[-2:]
-        keys, queries = torch.arange(length, device=mask.device), torch.arange(length - t, length, device=mask.device)
-        sees = keys[None, :] <= queries[:, None]
-        _TAILS[key] = mask.dim() == 4 and mask.shape[1] == 1 and torch.equal(mask, sees.expand_as(mask))
-        weakref.finalize(mask, _TAILS.pop, key, None)  # forgotten with the mask (ids are reused)
-    return _TAILS[key]
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float):
@@ -117,16 +99,19 @@ class GatedAttention(nn.Module):
         """q [B, H, T, D], k and v [B, KV, L, D] -> [B, T, H, D], in the layer's compute format (that of
         its projections, lm/kernels/compute.py): under bf16 or int8 compute, bf16 queries, keys and
         values with float32 softmax and sums, through the bf16 attention kernel where it runs (AVX512-BF16
-        without AMX; causal with no padding, a later chunk of a prompt too) and SDPA under bf16 compute
+        without AMX; no mask: causal with no padding, any chunk of a prompt) and SDPA under bf16 compute
         elsewhere; the cache keeps float32."""
         scale = self.head_dim**-0.5
         how = kernels.prefill_compute(self.o_proj.compute, self.o_proj.weight, q)
-        causal = q.device.type == "cpu" and (mask is None or causal_tail(mask))
-        attend = kernels.bf16_attention_kernel(self.head_dim) if how != "fp32" and causal else None
+        plain = mask is None and q.device.type == "cpu"  # causal, the queries the last of the keys
+        attend = kernels.bf16_attention_kernel(self.head_dim) if how != "fp32" and plain else None
         if attend is not None:
             return attend(*(z.transpose(1, 2).to(torch.bfloat16) for z in (q, k, v)), scale, True)
         if how == "bf16":
             q, k, v = (z.to(torch.bfloat16) for z in (q, k, v))
+        t, length = q.shape[2], k.shape[2]
+        if mask is None and length > t:  # SDPA's is_causal aligns the queries with the first keys, not the last
+            mask = torch.arange(length, device=q.device) <= torch.arange(length - t, length, device=q.device)[:, None]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                              enable_gqa=True)  # fmt: skip
         return out.transpose(1, 2)

@@ -59,7 +59,7 @@ def param_name(gguf_name: str) -> str:
     raise WeightError(f"unexpected mmproj tensor {gguf_name!r}: no parameter of the vision tower")
 
 
-def _say_conversions(visual: torch.nn.Module, file: GGUFFile, params: dict) -> None:
+def _say_conversions(file: GGUFFile, params: dict) -> None:
     """One line on stderr for each way the file's tensors change on the way into the tower."""
     blocks = sorted({file.type_of(g) for g in file.tensors} - {"F32", "F16", "BF16"})
     if blocks:
@@ -78,7 +78,7 @@ def load_mmproj_weights(visual: torch.nn.Module, file: GGUFFile) -> None:
     into bf16 matrices; each said once."""
     params = dict(visual.named_parameters())
     pending = set(params)
-    _say_conversions(visual, file, params)
+    _say_conversions(file, params)
     with torch.no_grad():
         for g in file.tensors:
             if g == "v.patch_embd.weight.1":

@@ -81,8 +81,8 @@ def _bf16_block(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin:
     """The block with bf16 products for a float32 residual stream `x [N, C]` (updated in place):
     the norms' outputs rounded to bf16 once, each product's output left in bf16 (oneDNN's bf16 GEMM,
     float32 sums, the bias added before the rounding) and fed as it is to the next step: rotary
-    (float32, rounded back), attention (SDPA or `attend`: float32 softmax and sums inside), GELU; only the two residual
-    updates come back to float32, each added with its bias in float32. Against float32 compute on
+    (float32, rounded back), attention (SDPA or `attend`: float32 softmax and sums inside), GELU;
+    only the two residual updates come back to float32, each added with its bias in float32. Against float32 compute on
     the same weights, each product's inputs and output are rounded to bf16 (tests/lm/test_compute.py).
     The large activations live in `ws`, as in `fast_block`."""
     attn, mlp = block.attn, block.mlp

@@ -71,8 +71,7 @@ at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Ten
         h_buf.resize(rows * 2 * I), act_buf.resize(rows * I);
         ys[e] = at::empty({rows, H}, x.options());
         float *hp = h_buf.data(), *ap = act_buf.data(), *yp = ys[e].data_ptr<float>();
-        size_quantized_x(rows, H, xq);
-        quantize_x_rows(x.data_ptr<float>(), 0, rows, H, xq, tp + r0);  // the expert's tokens, gathered
+        quantize_x(x.data_ptr<float>(), rows, H, H, xq, tp + r0);  // the expert's tokens, gathered
         block_i8_rows(xq, rows, gu.from(e * 2 * I), 0, 2 * I, hp, 2 * I);
         for (int64_t r = 0; r < rows; ++r) silu_mul(hp + r * 2 * I, hp + r * 2 * I + I, ap + r * I, I);
         quantize_x(ap, rows, I, I, xq);

@@ -92,9 +92,10 @@ inline void size_quantized_x(int64_t M, int64_t K, QuantizedX& out) {
   out.sum8.resize(M * K / QK);
 }
 
-inline void quantize_x(const float* x, int64_t M, int64_t ldx, int64_t K, QuantizedX& out) {
+inline void quantize_x(const float* x, int64_t M, int64_t ldx, int64_t K, QuantizedX& out,
+                       const int64_t* rows = nullptr) {
   size_quantized_x(M, K, out);
-  quantize_x_rows(x, 0, M, ldx, out);
+  quantize_x_rows(x, 0, M, ldx, out, rows);
 }
 
 #if defined(__AVX2__)
@@ -320,7 +321,7 @@ inline void block_i8(const QuantizedX&, int64_t, const Rows&, int64_t, int64_t, 
 
 // Prefill tiles (AVX-512 VNNI builds): 16 weight rows by up to TILE_ROWS rows of x in 512-bit
 // registers. Lanes 0-7 hold a chunk of one group's 8 rows and lanes 8-15 the same chunk of the next
-// group's, so x's 4 quants of a chunk are one broadcast (vpdpbusd's embedded {1to16}) and each
+// group's, so x's 4 quants of a chunk are one 32-bit broadcast for all 16 weight rows and each
 // weight chunk, loaded and unpacked once, serves all the tile's rows of x; the decode kernels above
 // reload and unpack it every 4 rows and take half the lanes per instruction. Every (row of x,
 // weight row) gets the same exact integer block dots and the same float32 sums, in the same block

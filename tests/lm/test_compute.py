@@ -135,9 +135,9 @@ def test_end_to_end_logits_against_fp32_compute(checkpoints, kind, weights, fast
 
 
 def test_a_later_prompt_chunk_takes_the_bf16_attention_kernel(checkpoints, monkeypatch):
-    """A prompt prefilled in two chunks, the second with an explicit causal mask over the cache
-    (lm.attention.causal_tail): its attention runs through the bf16 kernel too where that runs, and
-    the last logits stay within the end-to-end bound of fp32 compute."""
+    """A prompt prefilled in two chunks, the second over the first's cache (no padding: no mask,
+    lm.attention.attention_mask_for): its attention runs through the bf16 kernel too where that
+    runs, and the last logits stay within the end-to-end bound of fp32 compute."""
     path = checkpoints("moe")[1]
     quick = mm.load_model(path, weights="int8", compute="int8")
     exact = mm.load_model(path, weights="int8", compute="fp32")
