@@ -253,8 +253,8 @@ def _prepare(chat: ChatCompletionRequest, backend: Backend, limits: Limits,
                                     grammars=backend.pipeline.grammars)  # fmt: skip
         except ConstraintError as error:
             raise bad_request(f"tools: a parameter's schema: {error}", "tools") from None
-    try:  # the constraint is compiled now (and cached), so that a bad one is a 400 naming its field
-        backend.pipeline.constraint_rule(params, in_thinking, job.rule)
+    try:  # the constraint is made now, so that a bad one is a 400 naming its field; this rule then runs
+        job.answer_rule = backend.pipeline.constraint_rule(params, in_thinking, job.rule)
     except ConstraintError as error:
         raise bad_request(str(error), error.param or "response_format") from None
     return job, in_thinking

@@ -125,7 +125,8 @@ class Generation:
         try:
             job = self.job
             self.answer = self.backend.pipeline.submit(job.conversation, job.params, enable_thinking=job.enable_thinking,
-                                                       template_kwargs=job.template_kwargs, rule=job.rule)  # fmt: skip
+                                                       template_kwargs=job.template_kwargs, rule=job.rule,
+                                                       answer_rule=job.answer_rule)  # fmt: skip
             if self.cancelled.is_set():
                 self.answer.cancel()
             if not self._admitted():

@@ -52,6 +52,7 @@ class ChatJob:
     include_reasoning: bool
     added_messages: int = 0  # messages put before the request's own (the tool_choice note's system turn)
     rule: Any = None  # a constraint on each next token (app/tool_choice.py for tool_choice required / named)
+    answer_rule: Any = None  # `rule` with the structured output and thinking budget, made (so checked) at admission
 
     def where(self, message: str) -> str:
         """A processor error's "conversation 0, message M, part P" as the request's "messages[m].content[P]"."""

@@ -28,13 +28,19 @@ def choice_params(params: SamplingParams, i: int) -> SamplingParams:
     return dataclasses.replace(params, seed=seed)
 
 
+def choice_job(job: ChatJob, i: int) -> ChatJob:
+    """Choice i's job (i > 0): its own sampling parameters, and its own rule, made when it starts
+    (a rule keeps one answer's state; the request's was checked at admission)."""
+    return dataclasses.replace(job, params=choice_params(job.params, i), answer_rule=None)
+
+
 class Choices:
     """The n generations of one request; `cancel()` withdraws them all."""
 
     def __init__(self, backend: Backend, job: ChatJob, first_generation: Generation, events: AsyncIterator[Any],
                  first: Any, n: int, in_thinking: bool):  # fmt: skip
         self.generations = [first_generation] + [
-            backend.start(dataclasses.replace(job, params=choice_params(job.params, i))) for i in range(1, n)]
+            backend.start(choice_job(job, i)) for i in range(1, n)]
         self.streams = [shape.AnswerStream(in_thinking=in_thinking, tools=job.tools,
                                            include_reasoning=job.include_reasoning) for _ in range(n)]  # fmt: skip
         self.queue: asyncio.Queue = asyncio.Queue()

@@ -198,13 +198,16 @@ class Pipeline:
 
     def submit(self, conversation: Conversation, params: SamplingParams | None = None, *,
                enable_thinking: bool | None = None, template_kwargs: dict[str, Any] | None = None,
-               rule=None) -> "Answer":  # fmt: skip
+               rule=None, answer_rule=None) -> "Answer":  # fmt: skip
         """Start one conversation's answer in the engine; returns at once (see `Answer`). `rule`:
-        a constraint on each next token (see `lm.serving.Engine.submit`)."""
+        a constraint on each next token (see `lm.serving.Engine.submit`), joined here with params'
+        structured output and thinking budget by `constraint_rule`. `answer_rule`: what that call
+        already made for these params and this prompt, used as it is (`rule` is then not read); a
+        rule keeps its answer's state, so it serves one answer only."""
         params = params or self.default_params()
         start = time.perf_counter()
         inputs = self.prepare([conversation], params, enable_thinking, template_kwargs)
-        return Answer(self, inputs, params, start, rule)
+        return Answer(self, inputs, params, start, rule, answer_rule=answer_rule)
 
     def generate(self, conversations: Sequence[Conversation], params: SamplingParams | None = None, *,
                  enable_thinking: bool | None = None,
@@ -247,17 +250,19 @@ class Answer:
     """One conversation's answer in the engine: token bookkeeping, stop strings and incremental
     detokenisation. `request` is the engine's handle (iterate it for token ids)."""
 
-    def __init__(self, pipeline: Pipeline, inputs: ModelInputs, params: SamplingParams, start: float, rule=None):
+    def __init__(self, pipeline: Pipeline, inputs: ModelInputs, params: SamplingParams, start: float, rule=None, *,
+                 answer_rule=None):  # fmt: skip
         self.pipeline, self.inputs, self.params, self.start = pipeline, inputs, params, start
         self.emitted = 0  # characters already streamed
         with torch.no_grad():
             prompt = engine_prompt(pipeline.model, inputs, pipeline.vision_cache, pipeline.assistant_start)
         stop = self._hit_stop_string if params.stop else None
         self.in_thinking = _thinking_open(inputs.prompts[0])
-        rule = pipeline.constraint_rule(params, self.in_thinking, rule)
+        if answer_rule is None:
+            answer_rule = pipeline.constraint_rule(params, self.in_thinking, rule)
         if params.thinking_budget is not None and not self.in_thinking:  # no thinking opened: nothing to bound
             params = dataclasses.replace(params, thinking_budget=None)
-        self.request = pipeline.engine.submit(prompt, params, stop_when=stop, rule=rule)
+        self.request = pipeline.engine.submit(prompt, params, stop_when=stop, rule=answer_rule)
 
     @property
     def tokens(self) -> list[int]:

@@ -14,6 +14,7 @@ import uvicorn
 
 from app.serve import ServeConfig, create_app
 from app.serve_backend import Backend
+from mm import Pipeline, constraints
 from mm.constraints import BUDGET_CLOSING
 from tests.app.serve_helpers import free_port
 from tests.mm.test_constraints import SCHEMA
@@ -100,6 +101,44 @@ def test_bad_constraints_are_400s_that_name_the_field(url, fields, param, messag
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and message in error["message"]
+
+
+def test_a_request_makes_its_rule_once_and_runs_that_rule(url, pipeline, monkeypatch):
+    """The rule checked at admission is the one the engine runs: made once per answer (each of n
+    choices its own: a rule keeps its answer's state)."""
+    made, grammar_rules, ran = [], [], []
+    make, grammar_rule, submit = Pipeline.constraint_rule, constraints.GrammarRule, pipeline.engine.submit
+
+    def counting_make(self, *args, **kwargs):
+        made.append(make(self, *args, **kwargs))
+        return made[-1]
+
+    def counting_grammar_rule(*args, **kwargs):
+        grammar_rules.append(grammar_rule(*args, **kwargs))
+        return grammar_rules[-1]
+
+    def recording_submit(*args, **kwargs):
+        ran.append(kwargs.get("rule"))
+        return submit(*args, **kwargs)
+
+    monkeypatch.setattr(Pipeline, "constraint_rule", counting_make)
+    monkeypatch.setattr(constraints, "GrammarRule", counting_grammar_rule)
+    monkeypatch.setattr(pipeline.engine, "submit", recording_submit)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    for fields, answers, grammars in [
+        ({"response_format": _json_schema(SCHEMA)}, 1, 1),
+        ({"response_format": _json_schema(SCHEMA), "n": 2}, 2, 2),
+        ({"response_format": _json_schema(SCHEMA), "thinking_budget": 3, "chat_template_kwargs": {}}, 1, 1),
+        ({"tools": tools, "tool_choice": "required", "max_tokens": 40}, 1, 0),
+    ]:  # fmt: skip
+        made.clear(), grammar_rules.clear(), ran.clear()
+        body = {"chat_template_kwargs": {"enable_thinking": False}, **fields}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=_body(**body), timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert len(made) == answers and len(grammar_rules) == grammars, fields
+        assert sorted(map(id, ran)) == sorted(map(id, made)) and None not in ran, fields  # the rules made, run
+        for choice in reply.json()["choices"] if "response_format" in fields else []:
+            jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
 
 
 def test_logprobs_streamed_and_not_and_logit_bias(url, pipeline):
