@@ -46,6 +46,7 @@ class ToolCallRule:
             for param, spec in (schema.get("properties") or {}).items():
                 if grammars is not None and isinstance(spec, dict) and (typed := grammars.value_grammar(spec)):
                     self.typed[(name, param)] = typed
+        self.grammars = grammars  # makes each typed value's GrammarState
         self.vocab_size = grammars.vocab_size if grammars is not None else 0
         self.grammar: GrammarState | None = None  # the typed value being written
         self.end_ids, self.value_tokens, self.max_tokens = tuple(end_ids), value_tokens, max_tokens
@@ -130,7 +131,7 @@ class ToolCallRule:
             self.state, self.value = "value", []
             self.given.add(after[6:])
             if (typed := self.typed.get((self.tool, after[6:]))) is not None:
-                self.state, self.grammar = "typed", GrammarState(typed[0], self.vocab_size, typed[1])
+                self.state, self.grammar = "typed", self.grammars.state(*typed)
                 self._mask = None
         elif after == "end":
             self.state = "end"

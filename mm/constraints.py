@@ -7,7 +7,10 @@ a request's rule says which tokens may come next): structured outputs and a thin
   tokens that keep the output inside the grammar. JSON is compact (no whitespace between tokens),
   so a model cannot drift into endless whitespace, and no token with a raw control character
   (U+0000-U+001F) may appear: JSON allows them only escaped, which xgrammar's string rule does not
-  enforce, so they are masked out (compact JSON has no other place for them). Once the grammar is complete, only the end of
+  enforce, so they are masked out (compact JSON has no other place for them). Nor may a token write
+  a UTF-16 surrogate (U+D800-U+DFFF) in UTF-8 form (bytes ED A0-BF xx; see `Surrogates`): that is no
+  valid UTF-8, but xgrammar's character classes count one as a character, so a string would decode
+  to replacement characters past its maxLength. Once the grammar is complete, only the end of
   the turn may follow. With thinking on, the thinking is free and the grammar applies from the
   first token after `</think>`; nothing constrained lands in the reasoning.
 - A thinking budget (`SamplingParams.thinking_budget`): after that many thinking tokens, the
@@ -47,6 +50,32 @@ class ConstraintError(ValueError):
         self.param = param
 
 
+class Surrogates:
+    """The tokens that could write a UTF-16 surrogate (U+D800-U+DFFF) as UTF-8 bytes, ED A0-BF xx.
+
+    Such bytes are no valid UTF-8 (each surrogate decodes to three U+FFFD). xgrammar's matcher takes
+    one as a character (it refuses every other invalid form: a stray continuation byte, an overlong
+    form, a cut character, a code point past U+10FFFF), so a string under maxLength could decode to
+    three times as many characters. A grammar state masks `inside` always, and `high` right after a
+    token in `lead`; ED is only ever a lead byte, so this leaves every valid character possible."""
+
+    def __init__(self, decoded_vocab: Sequence[bytes], vocab_size: int):
+        texts = list(enumerate(decoded_vocab[:vocab_size]))
+        self.inside = _flags(vocab_size, [i for i, text in texts if _SURROGATE.search(text)])  # holds ED A0-BF
+        self.high = _flags(vocab_size, [i for i, text in texts if text[:1] and 0xA0 <= text[0] <= 0xBF])
+        self.lead = frozenset(i for i, text in texts if text.endswith(b"\xed"))  # goes on in the next token
+
+
+_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+
+
+def _flags(size: int, ids: list[int]) -> torch.Tensor:
+    """A bool [size] tensor, True at `ids`."""
+    flags = torch.zeros(size, dtype=torch.bool)
+    flags[torch.tensor(ids, dtype=torch.long)] = True
+    return flags
+
+
 class Grammars:
     """xgrammar's compiler for one tokenizer (made on first use; compiled grammars cached by source)."""
 
@@ -54,6 +83,7 @@ class Grammars:
         self.tokenizer, self.vocab_size, self.end_ids = tokenizer, vocab_size, tuple(end_ids)
         self._compiler = None
         self.control = torch.zeros(vocab_size, dtype=torch.bool)  # tokens with a raw control character
+        self.surrogates: Surrogates | None = None  # with the compiler
         self._lock = threading.Lock()
 
     def compiler(self):
@@ -64,6 +94,7 @@ class Grammars:
                                                           stop_token_ids=list(self.end_ids))  # fmt: skip
                 control = [i for i, text in enumerate(info.decoded_vocab) if any(b < 0x20 for b in text)]
                 self.control[torch.tensor(control, dtype=torch.long)] = True
+                self.surrogates = Surrogates(info.decoded_vocab, self.vocab_size)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._compiler
 
@@ -107,19 +138,29 @@ class Grammars:
 
     def rule(self, params: SamplingParams, *, in_thinking: bool, think_end: int | None) -> "GrammarRule":
         banned = self.control if params.json_schema is not None else None
-        return GrammarRule(self.compile(params), self.vocab_size, self.end_ids, in_thinking=in_thinking,
-                           think_end=think_end, banned=banned)  # fmt: skip
+        compiled = self.compile(params)  # (first: it makes the compiler, and with it the surrogate tables)
+        return GrammarRule(compiled, self.vocab_size, self.end_ids, in_thinking=in_thinking, think_end=think_end,
+                           banned=banned, surrogates=self.surrogates)  # fmt: skip
+
+    def state(self, compiled, banned: torch.Tensor | None = None) -> "GrammarState":
+        """A walk through `compiled` (from this compiler) that writes no surrogate."""
+        return GrammarState(compiled, self.vocab_size, banned, self.surrogates)
 
 
 class GrammarState:
     """One walk through a compiled grammar: the mask of the tokens that may come next (without the
-    `banned` ones), and each token taken."""
+    `banned` ones, nor, given `surrogates`, those that would write one), and each token taken."""
 
-    def __init__(self, compiled, vocab_size: int, banned: torch.Tensor | None = None):
+    def __init__(self, compiled, vocab_size: int, banned: torch.Tensor | None = None,
+                 surrogates: Surrogates | None = None):  # fmt: skip
         xgr = _xgrammar()
         self.matcher = xgr.GrammarMatcher(compiled)
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        if surrogates is not None and bool(surrogates.inside.any()):
+            banned = surrogates.inside if banned is None else banned | surrogates.inside
         self.keep = None if banned is None else ~banned  # tokens the grammar may allow
+        self.surrogates = surrogates
+        self.after_lead = False  # the last token ended in byte ED
         shifts = torch.arange(32, dtype=torch.int32)
         self._unpack = lambda words: ((words[:, None] >> shifts) & 1).bool().reshape(-1)[:vocab_size]
 
@@ -131,6 +172,7 @@ class GrammarState:
     def take(self, token: int) -> None:
         if not self.matcher.accept_token(token):
             raise ConstraintError(f"token {token} does not fit the grammar")  # only a rule-less pick could
+        self.after_lead = self.surrogates is not None and token in self.surrogates.lead
 
     def mask(self) -> torch.Tensor:
         """The bool [V] mask of the next token: the grammar's (its end as the stop tokens), less the banned."""
@@ -138,6 +180,8 @@ class GrammarState:
         mask = self._unpack(self.bitmask[0])
         if self.keep is not None:
             mask &= self.keep
+        if self.after_lead:  # ED then A0-BF is a surrogate
+            mask &= ~self.surrogates.high
         if not bool(mask.any()):
             raise ConstraintError("the grammar admits no next token")
         return mask
@@ -148,8 +192,9 @@ class GrammarRule:
     next one (None while thinking: free); once the grammar is complete, only the end of the turn."""
 
     def __init__(self, compiled, vocab_size: int, end_ids: Sequence[int], *, in_thinking: bool,
-                 think_end: int | None, banned: torch.Tensor | None = None):  # fmt: skip
-        self.state = GrammarState(compiled, vocab_size, banned)
+                 think_end: int | None, banned: torch.Tensor | None = None,
+                 surrogates: Surrogates | None = None):  # fmt: skip
+        self.state = GrammarState(compiled, vocab_size, banned, surrogates)
         self.end_ids = tuple(end_ids)
         self.thinking, self.think_end = in_thinking, think_end
         self.seen = 0

@@ -1,8 +1,9 @@
 """Structured outputs and the thinking budget (mm/constraints.py) on the built-in model: random
 weights, so the grammar alone makes every output valid. Their strings are bounded (`maxLength`) and
 their thinking ended by a budget: random weights close neither by themselves, a property of
-grammar-constrained decoding. Random tokens also join bytes into invalid UTF-8, which decodes to more
-characters than the grammar counted, so the bounded strings here are ASCII (`pattern`)."""
+grammar-constrained decoding. SCHEMA's name and tags carry their bound in their `pattern` too: beside a
+pattern, xgrammar drops minLength / maxLength. Non-ASCII characters in bounded strings (valid UTF-8,
+counted in code points): tests/mm/test_constraints_utf8.py."""
 
 from __future__ import annotations
 
