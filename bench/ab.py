@@ -22,7 +22,8 @@ matrices in rows (QWEN35_BF16_GROUPS=0), B in groups of 8 rows (=1), whole decod
 through the current tree's kernels for `--isa`, in turns, at each batch size.
 
 The base must have the DecodePlan binding marked module_local, or be loaded before one that has
-(the base loads first), for two builds to live in one process. A build takes ~90 s on 2 cores the
+(the base loads first), for two builds to live in one process, and take each weight with its format
+code (formats.h: Weight), as the current tree's Python passes them. A build takes ~90 s on 2 cores the
 first time; both are cached by the hash of their sources (lm/kernels/build.py).
 """
 
@@ -134,9 +135,9 @@ def main() -> None:
                 start = time.perf_counter()
                 for w, x in weights:
                     if prefill:
-                        module.int8_linear(x, w)
+                        module.int8_linear(x, (w, stored.code))
                     else:
-                        module.small_m_linear(x, w, kernels._NO_PANELS)
+                        module.small_m_linear(x, (w, stored.code), kernels._NO_PANELS)
                 return total / (time.perf_counter() - start)
 
             ra, rb = alternate(a, b, args.rounds, run)

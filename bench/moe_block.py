@@ -20,7 +20,7 @@ import torch
 from bench.limits import ReadBandwidth
 from bench.products import in_huge_pages
 from lm import kernels
-from lm.formats import FORMATS, policy
+from lm.formats import BF16, FORMATS, policy
 
 H, I, E, TOP_K = 1024, 256, 64, 8
 
@@ -64,7 +64,8 @@ def main() -> None:
                 start = time.perf_counter()
                 for i in range(args.layers):
                     r, gu, dn, sg, su, sd, seg = layers[0 if where == "in cache" else i]
-                    k.moe_decode(x, r, gu, dn, TOP_K, sg, su, sd, seg, kernels.MOE_PIECES)
+                    k.moe_decode(x, (r, BF16.code), (gu, fmt.code), (dn, fmt.code), TOP_K, (sg, fmt.code),
+                                 (su, fmt.code), (sd, fmt.code), seg, kernels.moe_pieces())
                 times.append((time.perf_counter() - start) / args.layers)
             t = sorted(times)[len(times) // 2]
             print(f"  {where:11s}: {t * 1e6:6.1f} us a block, {nbytes / t / 1e9:5.1f} GB/s", flush=True)

@@ -84,7 +84,7 @@ def main() -> None:
 
         def products():
             for (_, kk), w in zip(shapes, ws):
-                k.small_m_linear(xs[kk], w, kernels._NO_PANELS)
+                k.small_m_linear(xs[kk], (w, fmt.code), kernels._NO_PANELS)
 
         for _ in range(args.repeats):
             seconds = best_time(products, repeats=5)

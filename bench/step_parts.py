@@ -30,8 +30,14 @@ import mm
 from bench.limits import CacheEvictor, ReadBandwidth
 from bench.lm import median
 from lm import SamplingParams, decode, kernels, stream_generate
+from lm.formats import stored
 from lm.serving import runner
 from lm.moe import SparseMoeBlock
+
+
+def w(module, name: str = "weight") -> tuple[torch.Tensor, int]:
+    """`module`'s weight `name` as the kernels take it: (storage, format code)."""
+    return kernels.weight_arg(stored(module, name))
 
 
 def nbytes(*tensors) -> int:
@@ -98,13 +104,13 @@ def layer_parts(k, lm, cache, cfg) -> dict:
     parts = {}
     if deltanet:
         def inputs(a):
-            return [a.in_proj_qkv.weight, a.in_proj_z.weight, a.in_proj_b.weight, a.in_proj_a.weight]
+            return [w(a.in_proj_qkv), w(a.in_proj_z), w(a.in_proj_b), w(a.in_proj_a)]
 
         a0 = deltanet[0][0]
         p = k.multi_linear(x, inputs(a0))
         out = torch.randn(1, p[1].shape[1])
         parts["DeltaNet input projections"] = (lambda: [k.multi_linear(x, inputs(a)) for a, _ in deltanet],
-                                               sum(nbytes(*inputs(a)) for a, _ in deltanet))
+                                               sum(nbytes(*(t for t, _ in inputs(a))) for a, _ in deltanet))
 
         def token_steps():
             for a, s in deltanet:
@@ -113,23 +119,23 @@ def layer_parts(k, lm, cache, cfg) -> dict:
                              s.recurrent, a.norm.weight, eps, a.num_k_heads)
 
         parts["DeltaNet token step"] = (token_steps, sum(2 * nbytes(s.recurrent, s.conv) for _, s in deltanet))
-        parts["DeltaNet out_proj"] = (lambda: [k.multi_linear(out, [a.out_proj.weight]) for a, _ in deltanet],
+        parts["DeltaNet out_proj"] = (lambda: [k.multi_linear(out, [w(a.out_proj)]) for a, _ in deltanet],
                                       sum(nbytes(a.out_proj.weight) for a, _ in deltanet))
     if attention:
         def qkv(a):
-            return [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
+            return [w(a.q_proj), w(a.k_proj), w(a.v_proj)]
 
         o_in = torch.randn(1, cfg.num_attention_heads * cfg.head_dim)
         parts["attention projections"] = (
-            lambda: [(k.multi_linear(x, qkv(a)), k.multi_linear(o_in, [a.o_proj.weight])) for a in attention],
-            sum(nbytes(*qkv(a), a.o_proj.weight) for a in attention))
+            lambda: [(k.multi_linear(x, qkv(a)), k.multi_linear(o_in, [w(a.o_proj)])) for a in attention],
+            sum(nbytes(*(t for t, _ in qkv(a)), a.o_proj.weight) for a in attention))
     if isinstance(mlps[0], SparseMoeBlock):
         def moe():
             for m in mlps:
                 s = m.shared_expert
-                k.moe_decode(x, m.gate.weight, m.experts.gate_up_proj, m.experts.down_proj, m.gate.top_k,
-                             s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight, m.shared_expert_gate.weight,
-                             kernels.MOE_PIECES)
+                k.moe_decode(x, w(m.gate), w(m.experts, "gate_up_proj"), w(m.experts, "down_proj"), m.gate.top_k,
+                             w(s.gate_proj), w(s.up_proj), w(s.down_proj), m.shared_expert_gate.weight,
+                             kernels.moe_pieces())
 
         def moe_bytes(m):  # the top-k experts (one token), the shared expert and the router
             share = m.gate.top_k / m.experts.gate_up_proj.shape[0]
@@ -141,7 +147,7 @@ def layer_parts(k, lm, cache, cfg) -> dict:
     else:
         h = torch.randn(1, cfg.intermediate_size)
         parts["dense MLPs"] = (
-            lambda: [(k.multi_linear(x, [m.gate_proj.weight, m.up_proj.weight]), k.multi_linear(h, [m.down_proj.weight]))
+            lambda: [(k.multi_linear(x, [w(m.gate_proj), w(m.up_proj)]), k.multi_linear(h, [w(m.down_proj)]))
                      for m in mlps],
             sum(nbytes(m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight) for m in mlps))
     norms = [w for layer in layers for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
@@ -185,7 +191,7 @@ def main() -> None:
         per_token, python = generation(lm, ids, 25)
         step = median_time(lambda: plan.step(step_ids, positions, states, keep, pos), args.calls, evict)
         layers = median_time(lambda: plan.run(hidden, states, *rotary, keep, pos), args.calls, evict)
-        lm_head = median_time(lambda: k.multi_linear(hidden, [head]), args.calls, evict)
+        lm_head = median_time(lambda: k.multi_linear(hidden, [w(lm.lm_head)]), args.calls, evict)
         print(f"probe {bandwidth / 1e9:.0f} GB/s: generation {per_token * 1e3:.2f} ms a token (Python around its "
               f"C++ steps {python * 1e3:.2f} ms), step "
               f"{step * 1e3:.2f} ms, layers {layers * 1e3:.2f} ms, LM head {lm_head * 1e3:.2f} ms "

@@ -9,6 +9,7 @@ from torch import nn
 from . import kernels
 from .cache import Cache, KVSlot
 from .config import TextConfig
+from .formats import stored
 from .linear import Linear
 from .norm import RMSNorm
 from .rotary import apply_partial_rotary
@@ -102,7 +103,7 @@ class GatedAttention(nn.Module):
         without AMX; no mask: causal with no padding, any chunk of a prompt) and SDPA under bf16 compute
         elsewhere; the cache keeps float32."""
         scale = self.head_dim**-0.5
-        how = kernels.prefill_compute(self.o_proj.compute, self.o_proj.weight, q)
+        how = kernels.prefill_compute(self.o_proj.compute, stored(self.o_proj), q)
         plain = mask is None and q.device.type == "cpu"  # causal, the queries the last of the keys
         attend = kernels.bf16_attention_kernel(self.head_dim) if how != "fp32" and plain else None
         if attend is not None:
@@ -118,7 +119,7 @@ class GatedAttention(nn.Module):
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (with its gate half), k, v projections; on CPU decode rows as one kernel call."""
-        fused = kernels.multi_linear(x, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        fused = kernels.multi_linear(x, [stored(self.q_proj), stored(self.k_proj), stored(self.v_proj)])
         if fused is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         for y, proj in zip(fused, (self.q_proj, self.k_proj, self.v_proj)):

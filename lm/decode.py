@@ -34,6 +34,7 @@ import torch
 from . import kernels
 from .attention import attention_mask_for
 from .cache import Cache, KVSlot
+from .formats import stored
 from .linear import Linear
 from .moe import SparseMoeBlock
 
@@ -72,10 +73,10 @@ def decode_logits(lm, input_ids: torch.Tensor, positions: torch.Tensor, cache: C
         if plan is None:
             return None
         if not plan.has_ends():  # once per generation, as the plan
-            head, rotary = lm.lm_head.weight, model.rotary_emb
-            plan.set_ends(model.embed_tokens.weight, rotary.inv_freq, rotary.axis, head)
+            head, rotary = stored(lm.lm_head), model.rotary_emb
+            plan.set_ends(_w(model.embed_tokens), rotary.inv_freq, rotary.axis, kernels.weight_arg(head))
             if input_ids.shape[0] >= kernels.panel_rows() and (copy := kernels.panels(head)).numel():
-                plan.add_panels(head, copy)
+                plan.add_panels(head[0], copy)
         _step_plans[cache] = plan
     keep, pos = _keep_and_pos(cache, None if cache.lengths is not None else attention_mask_for(cache, 1))
     return plan.step(input_ids, positions, _states(cache), keep, pos)[:, None]
@@ -131,6 +132,11 @@ def _keep_and_pos(cache: Cache, attn_mask: torch.Tensor | None) -> tuple[torch.T
     return keep, torch.full((rows,), cache.length, dtype=torch.long)
 
 
+def _w(module, name: str = "weight") -> tuple[torch.Tensor, int]:
+    """`module`'s weight `name` as the plan takes it: (storage, format code; lm/formats)."""
+    return kernels.weight_arg(stored(module, name))
+
+
 def build_plan(k, model, rows: int):
     """The `DecodePlan` of a `TextModel`'s layers (weights by reference) for `rows` tokens per step,
     or None when one of them is outside what the fused kernels take. From kernels.panel_rows() rows
@@ -144,14 +150,14 @@ def build_plan(k, model, rows: int):
         if layer.layer_type == "linear_attention":
             a = layer.linear_attn
             conv = a.conv1d.weight
-            plan.add_deltanet(layer.input_layernorm.weight, a.in_proj_qkv.weight, a.in_proj_z.weight,
-                              a.in_proj_b.weight, a.in_proj_a.weight, conv.view(conv.shape[0], -1), a.A_log,
-                              a.dt_bias, a.norm.weight, a.out_proj.weight, a.num_k_heads)
+            plan.add_deltanet(layer.input_layernorm.weight, _w(a.in_proj_qkv), _w(a.in_proj_z), _w(a.in_proj_b),
+                              _w(a.in_proj_a), conv.view(conv.shape[0], -1), a.A_log, a.dt_bias, a.norm.weight,
+                              _w(a.out_proj), a.num_k_heads)
         else:
             a = layer.self_attn
             projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
             biases = [_NO_TENSOR if p.bias is None else p.bias for p in projections]
-            plan.add_attention(layer.input_layernorm.weight, *(p.weight for p in projections), biases,
+            plan.add_attention(layer.input_layernorm.weight, *(_w(p) for p in projections), biases,
                                a.q_norm.weight, a.k_norm.weight, a.head_dim**-0.5)
         streamed.append(a)
         norm, mlp = layer.post_attention_layernorm.weight, layer.mlp
@@ -159,15 +165,15 @@ def build_plan(k, model, rows: int):
             if not mlp.experts.grouped:
                 return _step_aside("the experts run on their reference path (grouped=False)")
             shared = mlp.shared_expert
-            plan.add_moe(norm, mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.top_k,
-                         shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight,
+            plan.add_moe(norm, _w(mlp.gate), _w(mlp.experts, "gate_up_proj"), _w(mlp.experts, "down_proj"),
+                         mlp.gate.top_k, _w(shared.gate_proj), _w(shared.up_proj), _w(shared.down_proj),
                          mlp.shared_expert_gate.weight, kernels.moe_pieces())
         else:
-            plan.add_dense_mlp(norm, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+            plan.add_dense_mlp(norm, _w(mlp.gate_proj), _w(mlp.up_proj), _w(mlp.down_proj))
             streamed.append(mlp)
     plan.set_final_norm(model.norm.weight)
     if rows >= kernels.panel_rows():
         for module in (m for part in streamed for m in part.modules()):
-            if isinstance(module, Linear) and (copy := kernels.panels(module.weight)).numel():
+            if isinstance(module, Linear) and (copy := kernels.panels(stored(module))).numel():
                 plan.add_panels(module.weight, copy)
     return plan

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
+from .formats import stored
 from .linear import Linear
 
 
@@ -16,6 +17,6 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = kernels.multi_linear(x, [self.gate_proj.weight, self.up_proj.weight])  # CPU decode rows
+        fused = kernels.multi_linear(x, [stored(self.gate_proj), stored(self.up_proj)])  # CPU decode rows
         gate, up = fused if fused is not None else (self.gate_proj(x), self.up_proj(x))
         return self.down_proj(F.silu(gate) * up)

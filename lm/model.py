@@ -10,7 +10,7 @@ from .cache import Cache
 from .config import TextConfig
 from .decode import decode_layers, decode_logits
 from .decoder import DecoderLayer
-from .formats import gather_rows
+from .formats import gather_rows, stored
 from .linear import Linear
 from .mtp import MTPLayer
 from .norm import RMSNorm
@@ -87,7 +87,8 @@ class CausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [B, T, hidden] in the compute dtype (the table may be stored in bf16)."""
-        return gather_rows(self.model.embed_tokens.weight, input_ids).to(self.compute_dtype)
+        table, fmt = stored(self.model.embed_tokens)
+        return gather_rows(table, input_ids, fmt).to(self.compute_dtype)
 
     def forward(
         self,

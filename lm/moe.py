@@ -8,6 +8,7 @@ from torch import nn
 
 from . import kernels
 from .config import TextConfig
+from .formats import format_in, stored
 from .mlp import SwiGLU
 
 
@@ -43,8 +44,8 @@ class Experts(nn.Module):
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
         rows = order // top_k  # the token of each selection
         if self.grouped and x.device.type == "cpu" and int(counts.max()) > kernels.MAX_ROWS:
-            fused = kernels.expert_mlp(x, self.gate_up_proj, self.down_proj, counts, rows, weights.reshape(-1)[order],
-                                       self.compute)
+            fused = kernels.expert_mlp(x, stored(self, "gate_up_proj"), stored(self, "down_proj"), counts, rows,
+                                       weights.reshape(-1)[order], self.compute)
             if fused is not None:  # prefill, float32: gather, experts and weighted sum in one call
                 return fused
         xs = x[rows]  # [N*K, H], grouped by expert
@@ -62,10 +63,10 @@ class Experts(nn.Module):
             return self._reference(xs, counts)
         hit = counts.nonzero().squeeze(-1).tolist()
         sizes = counts[hit].tolist()
-        gate_up = kernels.grouped_linear(xs, self.gate_up_proj, hit, sizes)
+        gate_up = kernels.grouped_linear(xs, stored(self, "gate_up_proj"), hit, sizes)
         if gate_up is not None:  # decode: few rows per expert, bandwidth-bound
             gate, up = gate_up.chunk(2, dim=-1)
-            return kernels.grouped_linear(F.silu(gate) * up, self.down_proj, hit, sizes)
+            return kernels.grouped_linear(F.silu(gate) * up, stored(self, "down_proj"), hit, sizes)
         if compact:  # a grouped GEMM would need every expert in float32: only those with tokens
             return self._reference(xs, counts)
         offsets = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
@@ -76,11 +77,14 @@ class Experts(nn.Module):
         hit = counts.nonzero().squeeze(-1).tolist()
         ys = torch.empty_like(xs)
         h, inter = xs.shape[-1], self.gate_up_proj.shape[1] // 2
+        gate_up_fmt, down_fmt = format_in(self, "gate_up_proj"), format_in(self, "down_proj")
         start = 0
         for e, size in zip(hit, counts[hit].tolist()):
             end = start + size
-            gate, up = F.linear(xs[start:end], kernels.to_float(self.gate_up_proj[e], h).to(xs.dtype)).chunk(2, dim=-1)
-            ys[start:end] = F.linear(F.silu(gate) * up, kernels.to_float(self.down_proj[e], inter).to(xs.dtype))
+            gate_up = kernels.to_float((self.gate_up_proj[e], gate_up_fmt), h).to(xs.dtype)
+            gate, up = F.linear(xs[start:end], gate_up).chunk(2, dim=-1)
+            down = kernels.to_float((self.down_proj[e], down_fmt), inter).to(xs.dtype)
+            ys[start:end] = F.linear(F.silu(gate) * up, down)
             start = end
         return ys
 
@@ -93,7 +97,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (expert ids [N, K], weights [N, K] in x's dtype)."""
-        probs = F.softmax(kernels.linear(x, self.weight), dim=-1, dtype=torch.float32)  # [N, E]
+        probs = F.softmax(kernels.linear(x, stored(self)), dim=-1, dtype=torch.float32)  # [N, E]
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return experts, weights.to(x.dtype)
@@ -112,9 +116,9 @@ class SparseMoeBlock(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, H]
         fused = kernels.moe_decode(  # decode on CPU: the whole block in one call
-            x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj, self.gate.top_k,
-            self.shared_expert.gate_proj.weight, self.shared_expert.up_proj.weight,
-            self.shared_expert.down_proj.weight, self.shared_expert_gate.weight,
+            x, stored(self.gate), stored(self.experts, "gate_up_proj"), stored(self.experts, "down_proj"),
+            self.gate.top_k, stored(self.shared_expert.gate_proj), stored(self.shared_expert.up_proj),
+            stored(self.shared_expert.down_proj), self.shared_expert_gate.weight,
         ) if self.experts.grouped else None
         if fused is not None:
             return fused.view(shape)

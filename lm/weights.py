@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from .formats import Format
+from .formats import Format, tag
 
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype codes of the tensors this project reads and writes
@@ -145,15 +145,17 @@ def read_param_name(ckpt_name: str, lm: nn.Module) -> str | None:
 
 def use_formats(lm: nn.Module, formats: dict[str, Format]) -> None:
     """Give each parameter named in `formats` the storage of its format (lm/formats), before the
-    model is allocated (on the meta device): a weight [..., N, K] becomes [..., N, row]. With tied
-    embeddings, an LM head in another format than the embedding table gets a table of its own."""
+    model is allocated (on the meta device): a weight [..., N, K] becomes [..., N, row], and its
+    module holds the format as its tag (lm.formats.tag). With tied embeddings, an LM head in another
+    format than the embedding table gets a table of its own."""
     params = dict(lm.named_parameters(remove_duplicate=False))
     head, table = "lm_head.weight", "model.embed_tokens.weight"
     one_table = heads_tied(lm) and formats.get(head) == formats.get(table)
     for name, fmt in formats.items():
+        module_name, attr = name.rsplit(".", 1)
+        tag(lm.get_submodule(module_name), attr, fmt)
         if one_table and name == head:
             continue  # the embedding table's new storage, tied again below
-        module_name, attr = name.rsplit(".", 1)
         old = params[name]
         storage = torch.empty(fmt.storage_shape(tuple(old.shape)), dtype=fmt.dtype, device=old.device)
         setattr(lm.get_submodule(module_name), attr, nn.Parameter(storage, requires_grad=False))

@@ -21,9 +21,10 @@ from bf16 rows: a one-row product then reads one stream and loads x once for 8 r
 tower and matrices whose rows are no multiple of 8 (or K of 32) keep bf16 rows (BF16), as does every
 bf16 matrix on the reference paths.
 
-The format of a tensor follows from its dtype and, for uint8, from its row size relative to K, so a
-layer holds its weight as before and never names a format: `to_float(w, k)` gives the float32 matrix
-(prefill, reference paths), the C++ kernels read it directly (decode). GGUF's blocks were chosen so
+A weight's format is a tag its layer holds (`tag`, given at load by lm.weights.use_formats; read
+with `format_in`; an untagged weight is float32 or bf16 rows, as its dtype says), and every product
+hands it to the C++ kernels with the weight (`Format.code`): they check the storage against it and
+never infer a format from bytes. `to_float(w, k, fmt)` gives the float32 matrix (reference paths). GGUF's blocks were chosen so
 the quantizers can be checked bit for bit against the `gguf` package (tests/lm/test_formats.py) and
 the error compared with llama.cpp's at the same width (bench/formats.py).
 """
@@ -47,6 +48,7 @@ class Format:
     block_bytes: int  # storage elements per block
     quantize: Callable[[torch.Tensor], torch.Tensor]  # float [..., K] -> storage [..., row]
     dequantize: Callable[[torch.Tensor, int], torch.Tensor]  # storage [..., row], K -> float32 [..., K]
+    code: int  # the format's tag as the C++ kernels take it with each weight (formats.h: Fmt)
     rows: int = 1  # rows stored together: a weight's rows must be a multiple (int8, int4: 8, blocks.py)
     k_multiple: int = 1  # K must be a multiple of this (besides of `block`)
 
@@ -73,8 +75,8 @@ class Format:
         return row // self.block_bytes * self.block
 
 
-FP32 = Format("fp32", torch.float32, 1, 1, lambda w: w.float(), lambda w, k: w)
-BF16 = Format("bf16", torch.bfloat16, 1, 1, lambda w: w.to(torch.bfloat16), lambda w, k: w.float())
+FP32 = Format("fp32", torch.float32, 1, 1, lambda w: w.float(), lambda w, k: w, 0)
+BF16 = Format("bf16", torch.bfloat16, 1, 1, lambda w: w.to(torch.bfloat16), lambda w, k: w.float(), 1)
 
 
 def group_rows(w: torch.Tensor) -> torch.Tensor:
@@ -95,19 +97,57 @@ def ungroup_rows(w: torch.Tensor) -> torch.Tensor:
     return g.reshape(w.shape)
 
 
-BF16_G8 = Format("bf16", torch.uint16, 1, 1, group_rows, lambda w, k: ungroup_rows(w).float(), blocks.ROW_GROUP,
+BF16_G8 = Format("bf16", torch.uint16, 1, 1, group_rows, lambda w, k: ungroup_rows(w).float(), 4, blocks.ROW_GROUP,
                  blocks.QK)
-INT8 = Format("int8", torch.uint8, blocks.QK, blocks.Q8_0_BYTES, blocks.quantize_q8_0, blocks.dequantize_q8_0,
+INT8 = Format("int8", torch.uint8, blocks.QK, blocks.Q8_0_BYTES, blocks.quantize_q8_0, blocks.dequantize_q8_0, 2,
               blocks.ROW_GROUP)
-INT4 = Format("int4", torch.uint8, blocks.QK, blocks.Q4_0_BYTES, blocks.quantize_q4_0, blocks.dequantize_q4_0,
+INT4 = Format("int4", torch.uint8, blocks.QK, blocks.Q4_0_BYTES, blocks.quantize_q4_0, blocks.dequantize_q4_0, 3,
               blocks.ROW_GROUP)
 FORMATS: dict[str, Format] = {f.name: f for f in (FP32, BF16, INT8, INT4)}  # "bf16": rows (BF16_G8: policy.plan)
 
 
-def gather_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of a float32 or bf16 weight [N, K] (the embedding table), in rows or in groups of 8
-    rows (BF16_G8) -> [*ids.shape, K] in float32, or bf16 for either bf16 layout (exact)."""
-    if w.dtype != torch.uint16:
+def tag(module, name: str, fmt: Format) -> None:
+    """Record that `module`'s parameter `name` is stored in `fmt`: the tag its products hand the
+    kernels with the weight (lm.weights.use_formats tags each weight it gives compact storage)."""
+    module.weight_formats = {**getattr(module, "weight_formats", {}), name: fmt}
+
+
+def format_in(module, name: str = "weight") -> Format:
+    """The storage format of `module`'s parameter `name`: its tag (see `tag`), or for an untagged
+    weight the float format its dtype is (`float_format`)."""
+    fmt = getattr(module, "weight_formats", {}).get(name)
+    return fmt if fmt is not None else float_format(getattr(module, name), f"{type(module).__name__}.{name}")
+
+
+def param_format(model, name: str) -> Format:
+    """The format of `model`'s parameter `name` (dotted, as named_parameters gives it): its module's
+    tag (`format_in`)."""
+    module, _, attr = name.rpartition(".")
+    return format_in(model.get_submodule(module), attr)
+
+
+def stored(module, name: str = "weight") -> tuple[torch.Tensor, Format]:
+    """`module`'s parameter `name` with its format (`format_in`): a weight as the kernels take it."""
+    return getattr(module, name), format_in(module, name)
+
+
+def float_format(w: torch.Tensor, what: str = "weight") -> Format:
+    """FP32 for a float32 weight, BF16 (rows) for a bfloat16 one: a float weight's dtype is its
+    format. Other storage (uint8 blocks, uint16 bf16 groups) must be named: ValueError."""
+    if w.dtype == torch.float32:
+        return FP32
+    if w.dtype == torch.bfloat16:
+        return BF16
+    raise ValueError(f"{what}: {w.dtype} storage needs its format named (an lm.formats Format such as INT8, INT4 "
+                     "or BF16_G8; a model's layers hold theirs: lm.formats.format_in)")
+
+
+def gather_rows(w: torch.Tensor, ids: torch.Tensor, fmt: Format | None = None) -> torch.Tensor:
+    """Rows `ids` of a float32 or bf16 weight [N, K] (the embedding table) of format `fmt` (None: the
+    float format of its dtype), in rows or in groups of 8 rows (BF16_G8) -> [*ids.shape, K] in
+    float32, or bf16 for either bf16 layout (exact)."""
+    fmt = fmt or float_format(w, "embedding table")
+    if fmt is not BF16_G8:
         return F.embedding(ids, w)
     n, k = w.shape
     groups = w.view(torch.bfloat16).view(n // blocks.ROW_GROUP, k // blocks.QK, blocks.ROW_GROUP, blocks.QK)
@@ -115,7 +155,8 @@ def gather_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def format_of(w: torch.Tensor, k: int) -> Format:
-    """The format of weight storage `w` [..., row] whose rows hold k inputs."""
+    """The format weight storage `w` [..., row] whose rows hold k inputs can only be, among the formats
+    above (a check for tests and tools; the model's layers hold their weights' formats, `format_in`)."""
     if w.dtype == torch.float32 or w.dtype == torch.bfloat16:
         if w.shape[-1] != k:
             raise ValueError(f"a {w.dtype} weight with rows of {w.shape[-1]} cannot take {k} inputs")
@@ -129,9 +170,10 @@ def format_of(w: torch.Tensor, k: int) -> Format:
     raise ValueError(f"weight storage {w.dtype} {list(w.shape)} is no known format for rows of {k} inputs")
 
 
-def to_float(w: torch.Tensor, k: int) -> torch.Tensor:
-    """Weight storage [..., row] -> float32 [..., K]; a float32 weight is returned as it is.
-    (lm.kernels.to_float gives the same through the C++ conversion, in one pass on all threads.)"""
+def to_float(w: torch.Tensor, k: int, fmt: Format | None = None) -> torch.Tensor:
+    """Weight storage [..., row] of format `fmt` (None: as `format_of` finds it) -> float32 [..., K];
+    a float32 weight is returned as it is. (lm.kernels.to_float gives the same through the C++
+    conversion, in one pass on all threads.)"""
     if w.dtype == torch.float32:
         return w
-    return format_of(w, k).dequantize(w, k)
+    return (fmt or format_of(w, k)).dequantize(w, k)

@@ -12,6 +12,8 @@ the DeltaNet causal conv in one pass (causal_conv.cpp).
 
 Weights may be stored in any format of lm/formats (float32, bf16, GGUF Q8_0 / Q4_0 blocks): the
 decode products, the MoE blocks and the decode step read them in registers (kernels/formats.h).
+A weight argument below is a `(storage, Format)` pair (lm.formats.stored gives a layer's), or a
+float32 / bf16 tensor, whose dtype is its format; the C++ kernels get the format's code with it.
 Prefill products compute in the format each layer holds (compute.py: fp32, bf16 on AMX tiles
 (amx_linear.cpp) or through torch, int8 on AMX tiles or through the int8 dot products of int8_linear
 and expert_mlp); a layer without one keeps the int8 dot products for Q8_0 / Q4_0 weights while int8
@@ -37,6 +39,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from ..formats import BF16_G8, FP32, Format, float_format, ungroup_rows
 from . import tuning
 from .compute import int8_on_tiles, pick, say_once, tiles
 
@@ -46,6 +49,25 @@ PANEL = 48  # output rows per panel (vec.h)
 
 _lock = threading.Lock()
 _state: dict = {}
+
+Weight = torch.Tensor | tuple[torch.Tensor, Format]  # a weight argument (see the top)
+
+
+def _split(weight) -> tuple[torch.Tensor, Format]:
+    """A weight argument -> (storage, Format)."""
+    if isinstance(weight, tuple):
+        return weight
+    return weight, float_format(weight)
+
+
+def _arg(weight, fmt: Format) -> tuple[torch.Tensor, int]:
+    """A weight as the C++ kernels take it: (storage, format code)."""
+    return weight, fmt.code
+
+
+def weight_arg(weight: Weight) -> tuple[torch.Tensor, int]:
+    """A weight argument (see the top) as the C++ kernels take it: (storage, format code)."""
+    return _arg(*_split(weight))
 
 
 def mode() -> str:
@@ -99,11 +121,11 @@ def _fusable(x: torch.Tensor):
     return _kernels()
 
 
-def _eligible(rows: int, weight: torch.Tensor) -> bool:
+def _eligible(rows: int, weight: torch.Tensor, fmt: Format) -> bool:
     """A product the small-batch kernel serves: few rows, a contiguous float32 weight worth streaming."""
     return (
         rows <= MAX_ROWS
-        and weight.dtype == torch.float32
+        and fmt is FP32
         and weight.numel() >= MIN_WEIGHT_ELEMENTS
         and weight.is_contiguous()
     )
@@ -137,21 +159,22 @@ def bf16_groups() -> bool:
     return _kernels() is not None and tuning.current().bf16_groups
 
 
-def to_float(w: torch.Tensor, k: int) -> torch.Tensor:
-    """Weight storage [..., row] -> float32 [..., K] (lm/formats.to_float, equal bit for bit), in one
-    pass on all threads through the C++ conversion when the kernels are on."""
-    if w.dtype != torch.float32 and w.device.type == "cpu" and (module := _kernels()) is not None:
-        return module.dequantize(w.contiguous(), k)
-    from ..formats import to_float as reference
-
-    return reference(w, k)
+def to_float(weight: Weight, k: int) -> torch.Tensor:
+    """A weight [..., row] (see the top) -> float32 [..., K] (lm/formats.to_float, equal bit for bit),
+    in one pass on all threads through the C++ conversion when the kernels are on."""
+    w, fmt = _split(weight)
+    if fmt is FP32:
+        return w
+    if w.device.type == "cpu" and (module := _kernels()) is not None:
+        return module.dequantize(_arg(w.contiguous(), fmt), k)
+    return fmt.dequantize(w, k)
 
 
 _panels: dict = {}  # id(weight) -> (its version, panel copy); an entry goes when its weight does
 _NO_PANELS = torch.empty(0)
 
 
-def panels(weight: torch.Tensor) -> torch.Tensor:
+def panels(weight: Weight) -> torch.Tensor:
     """The panel copy of a weight [N, K] that decode products of 5-8 rows stream (see vec.h): W's
     rows in panels of 48 (the last one 16 or 32 when N % 48 != 0), each panel stored k-major, so
     that each weight float is loaded once and multiplied by all rows of x. With 5-8 rows the
@@ -160,17 +183,17 @@ def panels(weight: torch.Tensor) -> torch.Tensor:
     first use, lives as long as the weight and is remade when the weight is written in place.
     Float32 and bf16 weights (a bf16 copy for a bf16 weight of either layout: vec.h, panel_load) of at least
     MIN_WEIGHT_ELEMENTS, contiguous, [N, K] with N a multiple of 16; else an empty tensor."""
-    if (weight.dtype not in (torch.float32, torch.bfloat16, torch.uint16) or weight.numel() < MIN_WEIGHT_ELEMENTS
-            or not weight.is_contiguous() or weight.dim() != 2 or weight.shape[0] % 16):
+    weight, fmt = _split(weight)
+    if (fmt.blocked or weight.numel() < MIN_WEIGHT_ELEMENTS or not weight.is_contiguous() or weight.dim() != 2
+            or weight.shape[0] % 16):
         return _NO_PANELS
     cached = _panels.get(id(weight))
     if cached is not None and cached[0] == weight._version:
         return cached[1]
-    from ..formats import ungroup_rows
     from ..hugepages import advise_huge_pages
 
     n, k = weight.shape
-    rows = ungroup_rows(weight) if weight.dtype == torch.uint16 else weight  # bf16 rows in groups of 8
+    rows = ungroup_rows(weight) if fmt is BF16_G8 else weight  # bf16 rows in groups of 8
     full = n // PANEL * PANEL
     copy = torch.empty(n * k, dtype=rows.dtype)
     advise_huge_pages([copy])  # streamed like the weights: before the first write
@@ -194,76 +217,77 @@ def panel_copies() -> list[torch.Tensor]:
     return [copy for _, copy in _panels.values()]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
            compute: str | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for a weight in any format (lm/formats), through the small-batch
+    """`F.linear(x, weight, bias)` for a weight in any format (see the top), through the small-batch
     kernel when it applies; decode rows (one token each, x [B, 1, K]) from `panel_rows()` on
     through the weight's panel copy. More rows (prefill) compute as `compute` picks for this weight
     (lm/kernels/compute.py): bf16 on AMX tiles (amx_linear) or through torch's bf16 GEMM, the int8
     dot products of Q8_0 / Q4_0 weights (int8_linear), or float32, a compact weight converted to
     float32 for this call."""
+    weight, fmt = _split(weight)
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     compact = weight.dtype != x.dtype  # a compact format (lm/formats): F.linear cannot read it
-    how = prefill_compute(compute, weight, x) if rows > MAX_ROWS else "fp32"
+    how = prefill_compute(compute, (weight, fmt), x) if rows > MAX_ROWS else "fp32"
     if how == "int8":
-        # Q8_0 / Q4_0 weights (the only uint8 formats) in prefill: integer products, no float32 copy,
-        # on AMX tiles where there are some (amx_linear.cpp), else the int8 dot products (int8_dot.h)
+        # Q8_0 / Q4_0 weights in prefill: integer products, no float32 copy, on AMX tiles where there
+        # are some (amx_linear.cpp), else the int8 dot products (int8_dot.h)
         k = _kernels()
         product = k.amx_int8_linear if int8_on_tiles(compute, k) else k.int8_linear
-        y = product(x.reshape(rows, x.shape[-1]).contiguous(), weight)
+        y = product(x.reshape(rows, x.shape[-1]).contiguous(), _arg(weight, fmt))
     elif how == "bf16":
-        y = bf16_linear(x.reshape(rows, x.shape[-1]), weight)
+        y = bf16_linear(x.reshape(rows, x.shape[-1]), (weight, fmt))
     else:
-        takes_kernel = 0 < rows <= MAX_ROWS if compact else rows > 0 and _eligible(rows, weight)
+        takes_kernel = 0 < rows <= MAX_ROWS if compact else rows > 0 and _eligible(rows, weight, fmt)
         if not takes_kernel or (k := _fusable(x)) is None:
             if compact:
-                weight = to_float(weight, x.shape[-1]).to(x.dtype)
+                weight = to_float((weight, fmt), x.shape[-1]).to(x.dtype)
             return F.linear(x, weight, bias)
         decode = x.dim() == 3 and x.shape[1] == 1 and rows >= panel_rows()
-        y = k.small_m_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight,
-                             panels(weight) if decode else _NO_PANELS)
+        y = k.small_m_linear(x.reshape(rows, x.shape[-1]).contiguous(), _arg(weight, fmt),
+                             panels((weight, fmt)) if decode else _NO_PANELS)
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def prefill_compute(compute: str | None, weight: torch.Tensor, x: torch.Tensor) -> str:
+def prefill_compute(compute: str | None, weight: Weight, x: torch.Tensor) -> str:
     """The compute format ("fp32", "bf16" or "int8") a layer holding `compute` and `weight` uses in
     prefill for activations x (lm/kernels/compute.py: pick); attention follows its projections."""
     if x.dtype != torch.float32:
         return "fp32"
-    return pick(compute, weight.dtype, _fusable(x))
+    return pick(compute, _split(weight)[1], _fusable(x))
 
 
-def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def bf16_linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """x [M, K] float32 times a weight of any format in bf16 with float32 sums -> [M, N] float32: on
     AMX tiles when the kernels have them (the weight converted panel by panel, amx_linear.cpp), else
     torch's bf16 GEMM (a bf16 weight in rows as it is, another converted for this call)."""
+    weight, fmt = _split(weight)
     k = _fusable(x)
     if tiles(k):
-        return k.amx_linear(x.contiguous(), weight)
-    if weight.dtype == torch.uint16:  # bf16 in groups of 8 rows: regrouped into rows, no float32 copy
-        from ..formats import ungroup_rows
-
+        return k.amx_linear(x.contiguous(), _arg(weight, fmt))
+    if fmt is BF16_G8:  # bf16 in groups of 8 rows: regrouped into rows, no float32 copy
         weight = ungroup_rows(weight)
     elif weight.dtype != torch.bfloat16:
-        weight = to_float(weight, x.shape[-1]).to(torch.bfloat16)
+        weight = to_float((weight, fmt), x.shape[-1]).to(torch.bfloat16)
     return F.linear(x.to(torch.bfloat16), weight).float()
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, experts: list[int], sizes: list[int]) -> torch.Tensor | None:
+def grouped_linear(x: torch.Tensor, weight: Weight, experts: list[int], sizes: list[int]) -> torch.Tensor | None:
     """Rows of x [R, K] grouped by expert (`sizes` rows for each of `experts`) times their expert's
     weight[e] [N, K] -> [R, N]; None when the kernel does not apply (the caller uses its own path)."""
-    small = weight.dtype == torch.float32 and weight[0].numel() < MIN_WEIGHT_ELEMENTS // 4  # compact: always
+    weight, fmt = _split(weight)
+    small = fmt is FP32 and weight[0].numel() < MIN_WEIGHT_ELEMENTS // 4  # compact: always
     if not sizes or max(sizes) > MAX_ROWS or not weight.is_contiguous() or small:
         return None
     if (k := _fusable(x)) is None:
         return None
     offsets = torch.tensor([0, *sizes]).cumsum(0)
-    return k.grouped_linear(x.contiguous(), weight, torch.tensor(experts), offsets)
+    return k.grouped_linear(x.contiguous(), _arg(weight, fmt), torch.tensor(experts), offsets)
 
 
-def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor,
+def expert_mlp(x: torch.Tensor, gate_up: Weight, down: Weight, counts: torch.Tensor,
                token: torch.Tensor, weight: torch.Tensor, compute: str | None = None) -> torch.Tensor | None:
     """Token rows x [N, H] through their selected experts' SwiGLU (gate_up [E, 2I, H], down [E, H, I]),
     weighted and summed -> [N, H]. The selections come grouped by expert: `counts` [E] of them each,
@@ -271,14 +295,16 @@ def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, count
     each computes as `compute` picks for the experts' format (lm/kernels/compute.py). None when n/a."""
     if (k := _fusable(x)) is None:
         return None
-    how = pick(compute, gate_up.dtype, k)
+    (gate_up, gate_up_fmt), (down, down_fmt) = _split(gate_up), _split(down)
+    how = pick(compute, gate_up_fmt, k)
     if how == "bf16" and not tiles(k):
         say_once("bf16-experts", "compute='bf16': the routed experts' prefill takes bf16 on AMX tiles only; "
                  "without them it computes in float32")  # fmt: skip
         how = "fp32"
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).long()
     code = {"fp32": 0, "bf16": 1, "int8": 3 if int8_on_tiles(compute, k) else 2}[how]
-    return k.expert_mlp(x.contiguous(), gate_up, down, offsets, token, weight.float().contiguous(), code)
+    return k.expert_mlp(x.contiguous(), _arg(gate_up, gate_up_fmt), _arg(down, down_fmt), offsets, token,
+                        weight.float().contiguous(), code)
 
 
 def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int):
@@ -325,12 +351,12 @@ def gated_delta_step(state, q, k, v, decay, beta) -> torch.Tensor | None:
     return out.view(b, h, dv)
 
 
-def multi_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
+def multi_linear(x: torch.Tensor, weights: list[Weight]) -> list[torch.Tensor] | None:
     """`[F.linear(x, w) for w in weights]` in one parallel region (decode rows); None when n/a."""
     rows = x.numel() // x.shape[-1]
     if not 0 < rows <= MAX_ROWS or (k := _fusable(x)) is None:
         return None
-    ys = k.multi_linear(x.reshape(rows, x.shape[-1]).contiguous(), list(weights))
+    ys = k.multi_linear(x.reshape(rows, x.shape[-1]).contiguous(), [_arg(*_split(w)) for w in weights])
     return [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
 
 
@@ -406,8 +432,11 @@ def int8_activations(x: torch.Tensor | None = None) -> bool:
 
 def moe_decode(x, router, gate_up, down, top_k, shared_gate, shared_up, shared_down, shared_expert_gate):
     """A sparse MoE block on a few rows x [N, H] in one call (router, top-k, experts, gated shared
-    expert; see moe_decode.cpp). Weights as in `lm.moe`. None when the kernel does not apply."""
+    expert; see moe_decode.cpp). Weights as in `lm.moe` (see the top; the shared-expert gate float32).
+    None when the kernel does not apply."""
     if x.shape[0] > MAX_ROWS or (k := _fusable(x)) is None:
         return None
+    router, gate_up, down, shared_gate, shared_up, shared_down = (
+        _arg(*_split(w)) for w in (router, gate_up, down, shared_gate, shared_up, shared_down))
     return k.moe_decode(x.contiguous(), router, gate_up, down, top_k, shared_gate, shared_up, shared_down,
                         shared_expert_gate, moe_pieces())

@@ -418,9 +418,9 @@ bool amx_ready() {
 namespace {
 
 // The checks both products make: x [M, K] float32, W [N, row] with K inputs per row, tiles usable.
-Rows checked(const at::Tensor& x, const at::Tensor& W, const char* who) {
+Rows checked(const at::Tensor& x, const Weight& W, const char* who) {
   check(x, "x");
-  TORCH_CHECK(x.dim() == 2 && W.dim() == 2, who, ": x must be [M, K] and W [N, row]");
+  TORCH_CHECK(x.dim() == 2 && tensor_of(W).dim() == 2, who, ": x must be [M, K] and W [N, row]");
   TORCH_CHECK(amx_ready(), who, ": this build or this CPU has no AMX tiles (lm.kernels.amx_ready)");
   return rows_of(W, x.size(1));
 }
@@ -429,9 +429,9 @@ Rows checked(const at::Tensor& x, const at::Tensor& W, const char* who) {
 
 // y = x W^T for a Q8_0 / Q4_0 W on AMX-INT8 tiles, x rounded to Q8_0 (see the top), one thread per
 // run of groups; inside another parallel region (the routed experts) it runs on the calling thread.
-at::Tensor amx_int8_linear(at::Tensor x, at::Tensor W) {
+at::Tensor amx_int8_linear(at::Tensor x, Weight W) {
   const Rows w = checked(x, W, "amx_int8_linear");
-  const int64_t M = x.size(0), K = x.size(1), N = W.size(0);
+  const int64_t M = x.size(0), K = x.size(1), N = tensor_of(W).size(0);
   TORCH_CHECK(w.fmt == Q8_0 || w.fmt == Q4_0, "amx_int8_linear: W must be Q8_0 or Q4_0");
   auto y = at::empty({M, N}, x.options());
 #if QWEN35_AMX
@@ -458,9 +458,9 @@ at::Tensor amx_int8_linear(at::Tensor x, at::Tensor W) {
 }
 
 // y = x W^T: x [M, K] float32, W [N, row] in any format with K inputs per row -> y [M, N] float32.
-at::Tensor amx_linear(at::Tensor x, at::Tensor W) {
+at::Tensor amx_linear(at::Tensor x, Weight W) {
   const Rows w = checked(x, W, "amx_linear");
-  const int64_t M = x.size(0), K = x.size(1), N = W.size(0);
+  const int64_t M = x.size(0), K = x.size(1), N = tensor_of(W).size(0);
   auto y = at::empty({M, N}, x.options());
 #if QWEN35_AMX
   if (M == 0 || N == 0) return y;
@@ -486,7 +486,7 @@ at::Tensor amx_linear(at::Tensor x, at::Tensor W) {
     if (panel.size() < size_t(PANEL_ROWS * ldp)) panel.resize(PANEL_ROWS * ldp);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * PANEL_ROWS, rows = std::min(PANEL_ROWS, N - n0), padded = round_up(rows, 2 * TILE);
-      weight_to_bf16(w.from(n0), rows, K, Kp, panel.data(), ldp);  // grouped formats: rows % 8 == 0 (format_of)
+      weight_to_bf16(w.from(n0), rows, K, Kp, panel.data(), ldp);  // grouped formats: rows % 8 == 0 (checked_format)
       std::memset(panel.data() + rows * ldp, 0, (padded - rows) * ldp * sizeof(uint16_t));
       panel_product(panel.data(), padded, ldp, xp.get(), ldx, M, Mp, Kp, n0, N, yp, N);
     }

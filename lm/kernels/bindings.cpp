@@ -7,6 +7,7 @@
 #include "int8_dot.h"
 #include "kernels.h"
 
+// Every weight argument is a (tensor, format code) pair (formats.h: Weight; lm/formats: Format.code).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_m_linear", &small_m_linear, "y = x W^T for few rows of x (float32, CPU)", py::arg("x"),
         py::arg("weight"), py::arg("panels"));
@@ -19,7 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_int8_linear", &amx_int8_linear, "y = x W^T for many rows of x and a Q8_0 / Q4_0 W, x rounded "
         "to Q8_0, in int8 on AMX tiles (prefill)", py::arg("x"), py::arg("weight"));
   m.def("amx_ready", &amx_ready, "whether this build has the AMX-BF16 products and the OS lets this process use tiles");
-  m.def("dequantize", &dequantize, "a weight of any format (formats.h) [..., N, row] -> float32 [..., N, K]",
+  m.def("dequantize", &dequantize, "a (weight [..., N, row], format code) of any format (formats.h) -> float32 [..., N, K]",
         py::arg("weight"), py::arg("K"));
   // the accumulator width the format kernels were built with (16 floats with AVX-512, 8 with AVX2)
   m.attr("VECTOR_FLOATS") = qwen35::W;

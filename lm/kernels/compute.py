@@ -27,8 +27,9 @@ import sys
 
 import torch
 
+from ..formats import FP32, INT4, Format
+
 CHOICES = ("auto", "fp32", "bf16", "int8")
-BF16_DTYPES = (torch.bfloat16, torch.uint16)  # bf16 weights in rows / in groups of 8 rows (lm/formats)
 _said: set[str] = set()
 
 
@@ -69,35 +70,35 @@ def tiles(k) -> bool:
 
 
 def _self_check(k) -> bool:
-    from ..formats import FORMATS, to_float
+    from ..formats import to_float
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(40, 96, generator=g), torch.randn(40, 96, generator=g)
     bf16 = torch.nn.functional.linear(x.bfloat16().float(), w.bfloat16().float())
-    q = FORMATS["int4"].quantize(w)
+    q = INT4.quantize(w)
     blocks = x.view(40, 3, 32)  # x in blocks of 32 with float32 scales, as the int8 products round it
     d = blocks.abs().amax(-1, keepdim=True) / 127
-    int8 = (torch.round(blocks / d) * d).view(40, 96) @ to_float(q, 96).t()
+    int8 = (torch.round(blocks / d) * d).view(40, 96) @ to_float(q, 96, INT4).t()
     close = lambda a, b: bool(((a - b).abs().max() <= 1e-4 * b.abs().max()).item())  # noqa: E731
-    return close(k.amx_linear(x, w), bf16) and close(k.amx_int8_linear(x, q), int8)
+    return close(k.amx_linear(x, (w, FP32.code)), bf16) and close(k.amx_int8_linear(x, (q, INT4.code)), int8)
 
 
-def pick(requested: str | None, weight_dtype, k) -> str:
+def pick(requested: str | None, weight: Format, k) -> str:
     """The compute format of one prefill product: `requested` (a layer's `compute`, None = as the
     products ran before the option: int8 for Q8_0 / Q4_0 weights while int8 activations are on,
-    float32 otherwise) for a weight stored as `weight_dtype` (torch.float32: float32; bfloat16 or
-    uint16: bf16; uint8: Q8_0 / Q4_0), `k` the kernels' module (or None)."""
-    int8_ok = weight_dtype == torch.uint8 and k is not None and bool(k.INT8_DOT) and k.int8_activations()
+    float32 otherwise) for a weight stored in format `weight` (lm/formats), `k` the kernels' module
+    (or None)."""
+    int8_ok = weight.name in ("int8", "int4") and k is not None and bool(k.INT8_DOT) and k.int8_activations()
     if requested is None:
         return "int8" if int8_ok else "fp32"
     if requested == "auto":
-        if weight_dtype == torch.float32:
+        if weight.name == "fp32":
             return "fp32"  # float32 weights ask for the exact path
         if tiles(k):
             return "bf16"
         if int8_ok:
             return "int8"
-        return "bf16" if weight_dtype in BF16_DTYPES and "avx512_bf16" in cpu_flags() else "fp32"
+        return "bf16" if weight.name == "bf16" and "avx512_bf16" in cpu_flags() else "fp32"
     if requested == "int8" and not int8_ok:
         say_once("int8-n/a", "compute='int8' applies to int8 / int4 weights with the kernels' int8 dot products "
                   "on; other products compute in float32")  # fmt: skip

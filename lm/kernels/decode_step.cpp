@@ -55,9 +55,9 @@ void add_bias(float* y, const float* bias, int64_t B, int64_t N) {
 
 }  // namespace
 
-void DecodePlan::add_deltanet(at::Tensor input_norm, at::Tensor in_proj_qkv, at::Tensor in_proj_z,
-                              at::Tensor in_proj_b, at::Tensor in_proj_a, at::Tensor conv, at::Tensor A_log,
-                              at::Tensor dt_bias, at::Tensor norm, at::Tensor out_proj, int64_t num_k_heads) {
+void DecodePlan::add_deltanet(at::Tensor input_norm, Weight in_proj_qkv, Weight in_proj_z, Weight in_proj_b,
+                              Weight in_proj_a, at::Tensor conv, at::Tensor A_log, at::Tensor dt_bias,
+                              at::Tensor norm, Weight out_proj, int64_t num_k_heads) {
   for (auto* t : {&input_norm, &conv, &A_log, &dt_bias, &norm}) check(*t, "DeltaNet layer tensors");
   const int64_t H = input_norm.numel(), C = conv.size(0), Hv = A_log.numel(), Dv = norm.numel();
   TORCH_CHECK(conv.dim() == 2 && num_k_heads > 0 && Hv % num_k_heads == 0 && C > Hv * Dv &&
@@ -67,34 +67,35 @@ void DecodePlan::add_deltanet(at::Tensor input_norm, at::Tensor in_proj_qkv, at:
   hidden_ = H;
   Layer l;
   l.deltanet = true;
-  l.mixer = {input_norm, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv, A_log, dt_bias, norm, out_proj};
+  l.mixer = {input_norm, tensor_of(in_proj_qkv), tensor_of(in_proj_z), tensor_of(in_proj_b), tensor_of(in_proj_a),
+             conv, A_log, dt_bias, norm, tensor_of(out_proj)};
   l.gdn = {0, C, conv.size(1) - 1, num_k_heads, Hv, (C - Hv * Dv) / (2 * num_k_heads), Dv};
   const int64_t Vd = Hv * Dv;
-  l.ops = {{rows_of(in_proj_qkv, H, "in_proj_qkv"), in_proj_qkv.size(0), H},
-           {rows_of(in_proj_z, H, "in_proj_z"), in_proj_z.size(0), H},
-           {rows_of(in_proj_b, H, "in_proj_b"), in_proj_b.size(0), H},
-           {rows_of(in_proj_a, H, "in_proj_a"), in_proj_a.size(0), H},
-           {rows_of(out_proj, Vd, "out_proj"), out_proj.size(0), Vd}};
+  l.ops = {{rows_of(in_proj_qkv, H, "in_proj_qkv"), tensor_of(in_proj_qkv).size(0), H},
+           {rows_of(in_proj_z, H, "in_proj_z"), tensor_of(in_proj_z).size(0), H},
+           {rows_of(in_proj_b, H, "in_proj_b"), tensor_of(in_proj_b).size(0), H},
+           {rows_of(in_proj_a, H, "in_proj_a"), tensor_of(in_proj_a).size(0), H},
+           {rows_of(out_proj, Vd, "out_proj"), tensor_of(out_proj).size(0), Vd}};
   TORCH_CHECK(l.ops[0].N == C && l.ops[1].N == Vd && l.ops[2].N == Hv && l.ops[3].N == Hv && l.ops[4].N == H,
               "decode plan: DeltaNet projection shapes do not match");
   layers_.push_back(std::move(l));
 }
 
-void DecodePlan::add_attention(at::Tensor input_norm, at::Tensor q_proj, at::Tensor k_proj, at::Tensor v_proj,
-                               at::Tensor o_proj, std::vector<at::Tensor> biases, at::Tensor q_norm,
-                               at::Tensor k_norm, double scale) {
+void DecodePlan::add_attention(at::Tensor input_norm, Weight q_proj, Weight k_proj, Weight v_proj, Weight o_proj,
+                               std::vector<at::Tensor> biases, at::Tensor q_norm, at::Tensor k_norm, double scale) {
   TORCH_CHECK(biases.size() == 4, "attention biases: q, k, v, o (empty where absent)");
   check(input_norm, "attention input norm");
-  const int64_t H = input_norm.numel(), D = q_norm.numel(), Q = q_proj.size(0);
+  const int64_t H = input_norm.numel(), D = q_norm.numel(), Q = tensor_of(q_proj).size(0);
   TORCH_CHECK(hidden_ == 0 || hidden_ == H, "decode plan: every layer's hidden size must be the same");
   TORCH_CHECK(D > 0 && Q % (2 * D) == 0, "decode plan: q_proj must give a query and a gate per head");
   hidden_ = H;
   Layer l;
-  l.mixer = {input_norm, q_proj, k_proj, v_proj, o_proj, biases[0], biases[1], biases[2], biases[3], q_norm, k_norm};
+  l.mixer = {input_norm, tensor_of(q_proj), tensor_of(k_proj), tensor_of(v_proj), tensor_of(o_proj), biases[0],
+             biases[1], biases[2], biases[3], q_norm, k_norm};
   l.ops = {{rows_of(q_proj, H, "q_proj"), Q, H},
-           {rows_of(k_proj, H, "k_proj"), k_proj.size(0), H},
-           {rows_of(v_proj, H, "v_proj"), v_proj.size(0), H},
-           {rows_of(o_proj, Q / 2, "o_proj"), o_proj.size(0), Q / 2}};
+           {rows_of(k_proj, H, "k_proj"), tensor_of(k_proj).size(0), H},
+           {rows_of(v_proj, H, "v_proj"), tensor_of(v_proj).size(0), H},
+           {rows_of(o_proj, Q / 2, "o_proj"), tensor_of(o_proj).size(0), Q / 2}};
   const int64_t KV = l.ops[1].N / D;
   TORCH_CHECK(l.ops[3].N == H && l.ops[1].N % D == 0 && l.ops[2].N == l.ops[1].N && KV > 0 && (Q / 2 / D) % KV == 0 &&
                   k_norm.numel() == D,
@@ -110,31 +111,32 @@ void DecodePlan::add_attention(at::Tensor input_norm, at::Tensor q_proj, at::Ten
   layers_.push_back(std::move(l));
 }
 
-void DecodePlan::add_moe(at::Tensor post_norm, at::Tensor router, at::Tensor gate_up, at::Tensor down, int64_t top_k,
-                         at::Tensor shared_gate, at::Tensor shared_up, at::Tensor shared_down,
-                         at::Tensor shared_expert_gate, int64_t pieces_per_expert) {
+void DecodePlan::add_moe(at::Tensor post_norm, Weight router, Weight gate_up, Weight down, int64_t top_k,
+                         Weight shared_gate, Weight shared_up, Weight shared_down, at::Tensor shared_expert_gate,
+                         int64_t pieces_per_expert) {
   TORCH_CHECK(!layers_.empty() && layers_.back().mlp.empty(), "add_moe must follow a layer's mixer");
   check(post_norm, "MoE post norm");
   TORCH_CHECK(post_norm.numel() == hidden_, "decode plan: the MoE norm does not match the hidden size");
   Layer& l = layers_.back();
   l.moe = true;
-  l.mlp = {post_norm, router, gate_up, down, shared_gate, shared_up, shared_down, shared_expert_gate};
+  l.mlp = {post_norm,          tensor_of(router),      tensor_of(gate_up),     tensor_of(down),
+           tensor_of(shared_gate), tensor_of(shared_up), tensor_of(shared_down), shared_expert_gate};
   l.moe_w = moe_weights(router, gate_up, down, top_k, shared_gate, shared_up, shared_down, shared_expert_gate,
                         pieces_per_expert);
   TORCH_CHECK(l.moe_w.H == hidden_, "decode plan: the MoE block does not match the hidden size");
 }
 
-void DecodePlan::add_dense_mlp(at::Tensor post_norm, at::Tensor gate, at::Tensor up, at::Tensor down) {
+void DecodePlan::add_dense_mlp(at::Tensor post_norm, Weight gate, Weight up, Weight down) {
   TORCH_CHECK(!layers_.empty() && layers_.back().mlp.empty(), "add_dense_mlp must follow a layer's mixer");
   check(post_norm, "MLP post norm");
-  const int64_t H = hidden_, I = gate.size(0);
+  const int64_t H = hidden_, I = tensor_of(gate).size(0);
   TORCH_CHECK(post_norm.numel() == H, "decode plan: the MLP norm does not match the hidden size");
   Layer& l = layers_.back();
-  l.mlp = {post_norm, gate, up, down};
+  l.mlp = {post_norm, tensor_of(gate), tensor_of(up), tensor_of(down)};
   l.ops.push_back({rows_of(gate, H, "gate_proj"), I, H});
-  l.ops.push_back({rows_of(up, H, "up_proj"), up.size(0), H});
-  l.ops.push_back({rows_of(down, I, "down_proj"), down.size(0), I});
-  TORCH_CHECK(l.ops.back().N == H && up.size(0) == I, "decode plan: MLP shapes do not match");
+  l.ops.push_back({rows_of(up, H, "up_proj"), tensor_of(up).size(0), H});
+  l.ops.push_back({rows_of(down, I, "down_proj"), tensor_of(down).size(0), I});
+  TORCH_CHECK(l.ops.back().N == H && l.ops[l.ops.size() - 2].N == I, "decode plan: MLP shapes do not match");
 }
 
 void DecodePlan::add_panels(at::Tensor weight, at::Tensor panels) {
@@ -256,20 +258,19 @@ at::Tensor DecodePlan::run(at::Tensor x, std::vector<at::Tensor> states, at::Ten
   return out;
 }
 
-void DecodePlan::set_ends(at::Tensor embedding, at::Tensor inv_freq, at::Tensor axis, at::Tensor head) {
-  TORCH_CHECK(embedding.dim() == 2 && embedding.is_contiguous() &&
-                  (embedding.scalar_type() == at::kFloat || embedding.scalar_type() == at::kBFloat16 ||
-                   embedding.scalar_type() == at::kUInt16),
-              "decode plan: the embedding table must be a contiguous float32 or bf16 (rows, or rows in groups of 8 as "
-              "uint16) [vocab, hidden] tensor");
+void DecodePlan::set_ends(Weight table, at::Tensor inv_freq, at::Tensor axis, Weight head_w) {
+  const at::Tensor &embedding = tensor_of(table), &head = tensor_of(head_w);
+  const int64_t table_fmt = std::get<1>(table);
+  TORCH_CHECK(embedding.dim() == 2 && (table_fmt == F32 || table_fmt == BF16 || table_fmt == BF16_G8),
+              "decode plan: the embedding table must be float32 or bf16 (rows, or rows in groups of 8) [vocab, hidden]");
   check(inv_freq, "inv_freq");
   TORCH_CHECK(axis.scalar_type() == at::kLong && axis.is_contiguous() && axis.numel() == inv_freq.numel(),
               "decode plan: axis must be int64 with one row index per rotary frequency");
   const int64_t* a = axis.data_ptr<int64_t>();
   for (int64_t i = 0; i < axis.numel(); ++i) TORCH_CHECK(a[i] >= 0 && a[i] < 3, "decode plan: axis values are 0, 1 or 2");
   TORCH_CHECK(embedding.size(1) == hidden_, "decode plan: the embedding table does not match the layers' hidden size");
-  table_ = rows_of(embedding, hidden_, "embedding");
-  head_op_ = {rows_of(head, hidden_, "lm_head"), head.size(0), hidden_};  // a clear error now, not at a step
+  table_ = rows_of(table, hidden_, "embedding");
+  head_op_ = {rows_of(head_w, hidden_, "lm_head"), head.size(0), hidden_};  // a clear error now, not at a step
   embedding_ = embedding, inv_freq_ = inv_freq, axis_ = axis, head_ = head;
 }
 

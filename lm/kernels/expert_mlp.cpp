@@ -29,12 +29,13 @@ using namespace qwen35;
 // order: the same bits on every call. (Adding into per-thread rows, whichever thread took an expert,
 // and summing those made a prefill of more than a few tokens differ from call to call in its last
 // bits, and a greedy generation's near-ties with it.) The kept outputs take S x H floats.
-at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Tensor offsets, at::Tensor token,
+at::Tensor expert_mlp(at::Tensor x, Weight gate_up_w, Weight down_w, at::Tensor offsets, at::Tensor token,
                       at::Tensor weight, int64_t compute) {
   check(x, "x");
   check(weight, "weight");
+  const at::Tensor &gate_up = tensor_of(gate_up_w), &down = tensor_of(down_w);
   const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2, N = x.size(0), H = x.size(1), S = token.numel();
-  const Rows gu = rows_of(gate_up, H, "experts.gate_up_proj"), dn = rows_of(down, I, "experts.down_proj");
+  const Rows gu = rows_of(gate_up_w, H, "experts.gate_up_proj"), dn = rows_of(down_w, I, "experts.down_proj");
   const bool compact = gu.fmt != F32 || dn.fmt != F32;
   // compute (lm/kernels/compute.py): 0 float32, 1 bf16 on AMX tiles, 2 int8 dot products where the
   // weights allow, 3 the same on AMX tiles
@@ -80,13 +81,13 @@ at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Ten
       }
       auto xe = at::index_select(x, 0, tok.narrow(0, r0, rows));  // [rows, H]
       if (i8_tiles) {  // x and act rounded to Q8_0, integer products on AMX tiles (amx_linear.cpp)
-        auto h = amx_int8_linear(xe, gate_up[e]);  // [rows, 2I]
-        ys[e] = amx_int8_linear(at::silu(h.narrow(1, 0, I)).mul_(h.narrow(1, I, I)), down[e]);  // [rows, H]
+        auto h = amx_int8_linear(xe, {gate_up[e], gu.fmt});  // [rows, 2I]
+        ys[e] = amx_int8_linear(at::silu(h.narrow(1, 0, I)).mul_(h.narrow(1, I, I)), {down[e], dn.fmt});  // [rows, H]
         continue;
       }
       if (amx) {  // bf16 tiles, each expert's weights converted in panels (amx_linear.cpp), one thread
-        auto h = amx_linear(xe, gate_up[e]);  // [rows, 2I]
-        ys[e] = amx_linear(at::silu(h.narrow(1, 0, I)).mul_(h.narrow(1, I, I)), down[e]);  // [rows, H]
+        auto h = amx_linear(xe, {gate_up[e], gu.fmt});  // [rows, 2I]
+        ys[e] = amx_linear(at::silu(h.narrow(1, 0, I)).mul_(h.narrow(1, I, I)), {down[e], dn.fmt});  // [rows, H]
         continue;
       }
       if (compact) {

@@ -10,9 +10,9 @@
 //   BF16_G8 uint16 [..., N, K]                   bf16 bits, rows in groups of 8 as the block formats'
 //                                                (K % 32 == 0, N % 8 == 0; see below): one stream
 //                                                and one load of x for 8 rows in one-row products
-// The format follows from the dtype and, for uint8, from the row size relative to K (34 != 18 per
-// block; uint16 is bf16 in groups of 8 rows), so the kernels take the same tensors as before and
-// Python needs no format argument.
+// A weight reaches the kernels with its format's code (`Weight`: the tag its layer holds, lm/formats'
+// Format.code); the storage is checked against the tag, never read for a format (rows of Q4_0 and of
+// the K-quants can have the same size).
 // Each traits struct turns one block of 32 weights into float32 vectors in registers (`load`):
 // the products compute in float32 with the dequantized weights, which are exact (an fp16 scale times
 // a small integer fits in float32), so a product equals dequantize-then-matmul up to summation order.
@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -274,32 +275,37 @@ struct Rows {
   const float* f32() const { return reinterpret_cast<const float*>(data); }
 };
 
-// The format of a weight tensor [..., N, row] whose rows hold K inputs; a clear error otherwise.
-inline Fmt format_of(const at::Tensor& w, int64_t K, const char* name) {
-  TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && w.dim() >= 2, name, " must be a contiguous CPU tensor");
-  const int64_t last = w.size(-1);
-  switch (w.scalar_type()) {
-    case at::kFloat: TORCH_CHECK(last == K, name, ": float32 rows of ", last, ", expected ", K); return F32;
-    case at::kBFloat16: TORCH_CHECK(last == K, name, ": bfloat16 rows of ", last, ", expected ", K); return BF16;
-    case at::kUInt16:
-      TORCH_CHECK(last == K && K % QK == 0, name, ": bf16 rows in groups of 8 (uint16) need rows of K = ", K,
-                  ", a multiple of 32; got ", last);
-      TORCH_CHECK(w.size(-2) % RG == 0, name, ": bf16 rows in groups come in groups of ", RG, ", got ", w.size(-2));
-      return BF16_G8;
-    case at::kByte:
-      TORCH_CHECK(K % QK == 0, name, ": block formats need K % 32 == 0, got K = ", K);
-      TORCH_CHECK(last == row_bytes(Q8_0, K) || last == row_bytes(Q4_0, K), name, ": uint8 rows of ", last,
-                  " bytes are neither Q8_0 (", row_bytes(Q8_0, K), ") nor Q4_0 (", row_bytes(Q4_0, K),
-                  ") blocks of K = ", K);
-      TORCH_CHECK(w.size(-2) % RG == 0, name, ": Q8_0 / Q4_0 rows come in groups of ", RG, ", got ", w.size(-2));
-      return last == row_bytes(Q8_0, K) ? Q8_0 : Q4_0;
-    default: TORCH_CHECK(false, name, ": unsupported weight dtype ", w.scalar_type());
-  }
-  return F32;
+// A weight as the Python layers pass it: (storage, format code), the code being the tag the layer
+// holds (lm/formats: Format.code, matching Fmt).
+using Weight = std::tuple<at::Tensor, int64_t>;
+inline const at::Tensor& tensor_of(const Weight& w) { return std::get<0>(w); }
+
+inline const char* format_name(Fmt f) {
+  static const char* names[] = {"float32", "bf16", "Q8_0", "Q4_0", "bf16 (rows in groups of 8)"};
+  return names[f];
 }
 
-inline Rows rows_of(const at::Tensor& w, int64_t K, const char* name = "weight") {
-  const Fmt f = format_of(w, K, name);
+// Format `code` for a weight tensor [..., N, row] whose rows hold K inputs, checked against the
+// storage that format has (dtype, row size, rows in groups); a clear error naming the weight otherwise.
+inline Fmt checked_format(const at::Tensor& w, int64_t code, int64_t K, const char* name) {
+  TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && w.dim() >= 2, name, " must be a contiguous CPU tensor");
+  TORCH_CHECK(code >= F32 && code <= BF16_G8, name, ": unknown weight format code ", code);
+  const Fmt f = static_cast<Fmt>(code);
+  static const at::ScalarType dtypes[] = {at::kFloat, at::kBFloat16, at::kByte, at::kByte, at::kUInt16};
+  TORCH_CHECK(w.scalar_type() == dtypes[f], name, ": ", format_name(f), " weights are stored as ", dtypes[f],
+              ", got ", w.scalar_type());
+  TORCH_CHECK(!grouped(f) || K % QK == 0, name, ": ", format_name(f), " needs K % 32 == 0, got K = ", K);
+  const int64_t row = row_bytes(f, K) / static_cast<int64_t>(w.element_size());
+  TORCH_CHECK(w.size(-1) == row, name, ": a ", format_name(f), " row of K = ", K, " inputs holds ", row,
+              " elements, got ", w.size(-1));
+  TORCH_CHECK(!grouped(f) || w.size(-2) % RG == 0, name, ": ", format_name(f), " rows come in groups of ", RG,
+              ", got ", w.size(-2));
+  return f;
+}
+
+inline Rows rows_of(const Weight& weight, int64_t K, const char* name = "weight") {
+  const at::Tensor& w = tensor_of(weight);
+  const Fmt f = checked_format(w, std::get<1>(weight), K, name);
   return {f, static_cast<const uint8_t*>(w.data_ptr()), row_bytes(f, K)};
 }
 

@@ -11,17 +11,18 @@
 #include "formats.h"
 
 // Weights W of the products, experts and decode plan are in any format of formats.h (float32,
-// bf16, Q8_0 or Q4_0 blocks); x, activations and results are float32.
+// bf16, Q8_0 or Q4_0 blocks), each passed with its format's code (formats.h: Weight); x,
+// activations and results are float32.
 // panels: a panel copy of W (kernels.panels; vec.h), used for 5-8 rows, or an empty tensor
-at::Tensor small_m_linear(at::Tensor x, at::Tensor W, at::Tensor panels);
-std::vector<at::Tensor> multi_linear(at::Tensor x, std::vector<at::Tensor> weights, std::vector<at::Tensor> panels);
-at::Tensor int8_linear(at::Tensor x, at::Tensor W);
+at::Tensor small_m_linear(at::Tensor x, qwen35::Weight W, at::Tensor panels);
+std::vector<at::Tensor> multi_linear(at::Tensor x, std::vector<qwen35::Weight> weights, std::vector<at::Tensor> panels);
+at::Tensor int8_linear(at::Tensor x, qwen35::Weight W);
 // prefill products in bf16 on AMX tiles (amx_linear.cpp); amx_ready: built with them and allowed by the OS
-at::Tensor amx_linear(at::Tensor x, at::Tensor W);
-at::Tensor amx_int8_linear(at::Tensor x, at::Tensor W);
+at::Tensor amx_linear(at::Tensor x, qwen35::Weight W);
+at::Tensor amx_int8_linear(at::Tensor x, qwen35::Weight W);
 bool amx_ready();
-at::Tensor grouped_linear(at::Tensor x, at::Tensor W, at::Tensor experts, at::Tensor offsets);
-at::Tensor dequantize(at::Tensor w, int64_t K);
+at::Tensor grouped_linear(at::Tensor x, qwen35::Weight W, at::Tensor experts, at::Tensor offsets);
+at::Tensor dequantize(qwen35::Weight w, int64_t K);
 at::Tensor gated_delta_step(at::Tensor state, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor decay,
                             at::Tensor beta);
 at::Tensor gdn_decode(at::Tensor qkv, at::Tensor z, at::Tensor b_in, at::Tensor a_in, at::Tensor window,
@@ -61,13 +62,14 @@ struct MoeWeights {
   qwen35::Rows router, sh_expert_gate, gate_up, down, sh_gate, sh_up, sh_down;
   int64_t H, E, I, Is, top_k, pieces;
 };
-MoeWeights moe_weights(at::Tensor router, at::Tensor gate_up, at::Tensor down, int64_t top_k, at::Tensor sh_gate,
-                       at::Tensor sh_up, at::Tensor sh_down, at::Tensor sh_expert_gate, int64_t pieces_per_expert);
+MoeWeights moe_weights(qwen35::Weight router, qwen35::Weight gate_up, qwen35::Weight down, int64_t top_k,
+                       qwen35::Weight sh_gate, qwen35::Weight sh_up, qwen35::Weight sh_down, at::Tensor sh_expert_gate,
+                       int64_t pieces_per_expert);
 void moe_decode_into(const MoeWeights& w, const float* x, int64_t N, float* out);
-at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::Tensor down, int64_t top_k,
-                      at::Tensor sh_gate, at::Tensor sh_up, at::Tensor sh_down, at::Tensor sh_expert_gate,
+at::Tensor moe_decode(at::Tensor x, qwen35::Weight router, qwen35::Weight gate_up, qwen35::Weight down, int64_t top_k,
+                      qwen35::Weight sh_gate, qwen35::Weight sh_up, qwen35::Weight sh_down, at::Tensor sh_expert_gate,
                       int64_t pieces_per_expert);
-at::Tensor expert_mlp(at::Tensor x, at::Tensor gate_up, at::Tensor down, at::Tensor offsets, at::Tensor token,
+at::Tensor expert_mlp(at::Tensor x, qwen35::Weight gate_up, qwen35::Weight down, at::Tensor offsets, at::Tensor token,
                       at::Tensor weight, int64_t compute);
 std::vector<at::Tensor> chunked_delta_rule(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
                                            at::Tensor state, int64_t chunk);
@@ -90,24 +92,24 @@ std::vector<int64_t> argmax_rows(at::Tensor x);
 class DecodePlan {
  public:
   explicit DecodePlan(double eps) : eps_(eps) {}
-  void add_deltanet(at::Tensor input_norm, at::Tensor in_proj_qkv, at::Tensor in_proj_z, at::Tensor in_proj_b,
-                    at::Tensor in_proj_a, at::Tensor conv, at::Tensor A_log, at::Tensor dt_bias, at::Tensor norm,
-                    at::Tensor out_proj, int64_t num_k_heads);
+  void add_deltanet(at::Tensor input_norm, qwen35::Weight in_proj_qkv, qwen35::Weight in_proj_z,
+                    qwen35::Weight in_proj_b, qwen35::Weight in_proj_a, at::Tensor conv, at::Tensor A_log,
+                    at::Tensor dt_bias, at::Tensor norm, qwen35::Weight out_proj, int64_t num_k_heads);
   // biases: q, k, v, o projections' biases, an empty tensor where a projection has none
-  void add_attention(at::Tensor input_norm, at::Tensor q_proj, at::Tensor k_proj, at::Tensor v_proj,
-                     at::Tensor o_proj, std::vector<at::Tensor> biases, at::Tensor q_norm, at::Tensor k_norm,
+  void add_attention(at::Tensor input_norm, qwen35::Weight q_proj, qwen35::Weight k_proj, qwen35::Weight v_proj,
+                     qwen35::Weight o_proj, std::vector<at::Tensor> biases, at::Tensor q_norm, at::Tensor k_norm,
                      double scale);
-  void add_moe(at::Tensor post_norm, at::Tensor router, at::Tensor gate_up, at::Tensor down, int64_t top_k,
-               at::Tensor shared_gate, at::Tensor shared_up, at::Tensor shared_down, at::Tensor shared_expert_gate,
-               int64_t pieces_per_expert);
-  void add_dense_mlp(at::Tensor post_norm, at::Tensor gate, at::Tensor up, at::Tensor down);
+  void add_moe(at::Tensor post_norm, qwen35::Weight router, qwen35::Weight gate_up, qwen35::Weight down, int64_t top_k,
+               qwen35::Weight shared_gate, qwen35::Weight shared_up, qwen35::Weight shared_down,
+               at::Tensor shared_expert_gate, int64_t pieces_per_expert);
+  void add_dense_mlp(at::Tensor post_norm, qwen35::Weight gate, qwen35::Weight up, qwen35::Weight down);
   void set_final_norm(at::Tensor norm) { final_norm_ = norm; }
   // the panel copy of one of the plan's weights (vec.h): its products with 5-8 rows go through it
   void add_panels(at::Tensor weight, at::Tensor panels);
-  // the ends of a whole step (for `step`): the embedding table [vocab, hidden] (float32 or bf16 rows),
+  // the ends of a whole step (for `step`): the embedding table [vocab, hidden] (float32 or bf16),
   // the rotary frequencies inv_freq [R/2] float32 with the position row (0 t, 1 h, 2 w) of each,
   // axis [R/2] int64, and the LM head [vocab, hidden] (any format)
-  void set_ends(at::Tensor embedding, at::Tensor inv_freq, at::Tensor axis, at::Tensor head);
+  void set_ends(qwen35::Weight embedding, at::Tensor inv_freq, at::Tensor axis, qwen35::Weight head);
   bool has_ends() const { return head_.defined(); }
   // x [B, hidden] token embeddings; states: two per layer, (conv window, recurrent state) or
   // (k cache, v cache); cos, sin [B, R] rotary angles; pos [B] int64 the cache position of each

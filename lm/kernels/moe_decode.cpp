@@ -171,23 +171,25 @@ struct Workspace {
 
 }  // namespace
 
-MoeWeights moe_weights(at::Tensor router, at::Tensor gate_up, at::Tensor down, int64_t top_k, at::Tensor sh_gate,
-                       at::Tensor sh_up, at::Tensor sh_down, at::Tensor sh_expert_gate, int64_t pieces_per_expert) {
-  check(sh_expert_gate, "MoE shared-expert gate");  // the router and the experts: any format
+MoeWeights moe_weights(Weight router_w, Weight gate_up_w, Weight down_w, int64_t top_k, Weight sh_gate_w,
+                       Weight sh_up_w, Weight sh_down_w, at::Tensor sh_expert_gate, int64_t pieces_per_expert) {
+  check(sh_expert_gate, "MoE shared-expert gate");  // float32; the router and the experts: any format
+  const at::Tensor &router = tensor_of(router_w), &gate_up = tensor_of(gate_up_w), &down = tensor_of(down_w),
+                   &sh_gate = tensor_of(sh_gate_w), &sh_up = tensor_of(sh_up_w), &sh_down = tensor_of(sh_down_w);
   const int64_t H = router.size(1), E = router.size(0), I = gate_up.size(1) / 2, Is = sh_gate.size(0);
   TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(0) == E && down.dim() == 3 && down.size(0) == E &&
                   down.size(1) == H && sh_up.size(0) == Is && sh_down.size(0) == H && sh_expert_gate.numel() == H &&
                   top_k >= 1 && top_k <= E,
               "MoE decode shapes do not match");
   // the expert weights in any format (formats.h): gate_up [E, 2I, H], down [E, H, I], shared [Is, H] / [H, Is]
-  return {rows_of(router, H, "router"), rows_of(sh_expert_gate.view({1, H}), H, "shared expert gate"),
-          rows_of(gate_up, H, "experts.gate_up_proj"), rows_of(down, I, "experts.down_proj"),
-          rows_of(sh_gate, H, "shared gate_proj"), rows_of(sh_up, H, "shared up_proj"),
-          rows_of(sh_down, Is, "shared down_proj"), H, E, I, Is, top_k, std::max<int64_t>(1, pieces_per_expert)};
+  return {rows_of(router_w, H, "router"), rows_of({sh_expert_gate.view({1, H}), F32}, H, "shared expert gate"),
+          rows_of(gate_up_w, H, "experts.gate_up_proj"), rows_of(down_w, I, "experts.down_proj"),
+          rows_of(sh_gate_w, H, "shared gate_proj"), rows_of(sh_up_w, H, "shared up_proj"),
+          rows_of(sh_down_w, Is, "shared down_proj"), H, E, I, Is, top_k, std::max<int64_t>(1, pieces_per_expert)};
 }
 
-at::Tensor moe_decode(at::Tensor x, at::Tensor router, at::Tensor gate_up, at::Tensor down,
-                         int64_t top_k, at::Tensor sh_gate, at::Tensor sh_up, at::Tensor sh_down,
+at::Tensor moe_decode(at::Tensor x, Weight router, Weight gate_up, Weight down,
+                         int64_t top_k, Weight sh_gate, Weight sh_up, Weight sh_down,
                          at::Tensor sh_expert_gate, int64_t pieces_per_expert) {
   check(x, "MoE decode x");
   const MoeWeights w =

@@ -21,9 +21,11 @@ using namespace qwen35;
 namespace {
 
 // The product of x [M, K] and W [N, K] into y, with W's panel copy when `panels` is not empty.
-Product product(const at::Tensor& x, const at::Tensor& W, const at::Tensor& panels, at::Tensor& y) {
+Product product(const at::Tensor& x, const Weight& weight, const at::Tensor& panels, at::Tensor& y) {
+  const at::Tensor& W = tensor_of(weight);
   TORCH_CHECK(W.dim() == 2, "every weight must be [N, K] (K in its format's row)");
-  Product p{x.data_ptr<float>(), x.size(0), x.size(1), rows_of(W, x.size(1)), W.size(0), x.size(1), y.data_ptr<float>()};
+  Product p{x.data_ptr<float>(), x.size(0), x.size(1), rows_of(weight, x.size(1)), W.size(0), x.size(1),
+            y.data_ptr<float>()};
   if (panels.defined() && panels.numel()) {
     check_panels(p.W.fmt, W, panels, W.size(0));
     p.panels = panels.data_ptr();
@@ -33,18 +35,18 @@ Product product(const at::Tensor& x, const at::Tensor& W, const at::Tensor& pane
 
 }  // namespace
 
-at::Tensor small_m_linear(at::Tensor x, at::Tensor W, at::Tensor panels) {
+at::Tensor small_m_linear(at::Tensor x, Weight W, at::Tensor panels) {
   return multi_linear(x, {W}, {panels})[0];
 }
 
-std::vector<at::Tensor> multi_linear(at::Tensor x, std::vector<at::Tensor> weights, std::vector<at::Tensor> panels) {
+std::vector<at::Tensor> multi_linear(at::Tensor x, std::vector<Weight> weights, std::vector<at::Tensor> panels) {
   check(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(0) <= 8, "x must be [M, K] with M <= 8");
   TORCH_CHECK(panels.empty() || panels.size() == weights.size(), "one panel copy (or empty tensor) per weight");
   std::vector<at::Tensor> ys;
   std::vector<Product> products;
   for (size_t i = 0; i < weights.size(); ++i) {
-    ys.push_back(at::empty({x.size(0), weights[i].size(0)}, x.options()));
+    ys.push_back(at::empty({x.size(0), tensor_of(weights[i]).size(0)}, x.options()));
     products.push_back(product(x, weights[i], panels.empty() ? at::Tensor() : panels[i], ys.back()));
   }
   run_products(products);
@@ -53,10 +55,11 @@ std::vector<at::Tensor> multi_linear(at::Tensor x, std::vector<at::Tensor> weigh
 
 // x [R, K] rows grouped by expert; experts [G] the expert of each group; offsets [G + 1] row bounds;
 // W [E, N, K] (any format) -> y [R, N] with y[rows of group g] = x[rows of g] W[experts[g]]^T.
-at::Tensor grouped_linear(at::Tensor x, at::Tensor W, at::Tensor experts, at::Tensor offsets) {
+at::Tensor grouped_linear(at::Tensor x, Weight experts_w, at::Tensor experts, at::Tensor offsets) {
   check(x, "x");
+  const at::Tensor& W = tensor_of(experts_w);
   TORCH_CHECK(W.dim() == 3 && x.dim() == 2, "bad grouped shapes");
-  const Rows weight = rows_of(W, x.size(1), "expert weight");
+  const Rows weight = rows_of(experts_w, x.size(1), "expert weight");
   TORCH_CHECK(experts.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong, "ids must be int64");
   const int64_t R = x.size(0), K = x.size(1), N = W.size(1), G = experts.size(0);
   auto e = experts.contiguous();
@@ -80,11 +83,12 @@ at::Tensor grouped_linear(at::Tensor x, at::Tensor W, at::Tensor experts, at::Te
 // blocks and integer dot products: the decode products' int8 path (int8_dot.h, the same error and,
 // row by row, the same bits), instead of converting W to float32 for a float32 GEMM. x's rows are
 // quantized in parallel; then tasks of 32 weight rows each go over all of x (block_i8_rows).
-at::Tensor int8_linear(at::Tensor x, at::Tensor W) {
+at::Tensor int8_linear(at::Tensor x, Weight weight) {
   check(x, "x");
+  const at::Tensor& W = tensor_of(weight);
   TORCH_CHECK(x.dim() == 2 && W.dim() == 2, "int8_linear: x must be [M, K] and W [N, row]");
   const int64_t M = x.size(0), K = x.size(1), N = W.size(0);
-  const Rows w = rows_of(W, K);
+  const Rows w = rows_of(weight, K);
   TORCH_CHECK(int8_path(w), "int8_linear: W must be Q8_0 / Q4_0 with int8 activations on (AVX2 builds)");
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
@@ -113,8 +117,9 @@ inline void advise_huge_pages(const at::Tensor& t) {
 
 // A weight of any format [..., N, row] with K inputs per row -> float32 [..., N, K] (formats.h),
 // rows in parallel: how prefill products of compact weights get their float32 matrix.
-at::Tensor dequantize(at::Tensor w, int64_t K) {
-  const Rows rows = rows_of(w, K);
+at::Tensor dequantize(Weight weight, int64_t K) {
+  const at::Tensor& w = tensor_of(weight);
+  const Rows rows = rows_of(weight, K);
   auto sizes = w.sizes().vec();
   sizes.back() = K;
   auto out = at::empty(sizes, w.options().dtype(at::kFloat));

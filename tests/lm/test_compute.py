@@ -21,17 +21,22 @@ import torch.nn.functional as F
 
 import mm
 from lm import kernels
-from lm.formats import FORMATS, group_rows, to_float
+from lm.formats import BF16, BF16_G8, FP32, INT4, INT8, Format, to_float
 from lm.kernels import compute
 from tests.conftest import q8_0_round, rel_err
 
 BF16_BOUND = 2.0**-7
 
 
-def _weights(n: int, k: int, seed: int) -> dict[str, torch.Tensor]:
+def _weights(n: int, k: int, seed: int) -> dict[str, tuple[torch.Tensor, Format]]:
+    """One random weight [n, k] in each format, as (storage, Format) pairs."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
-    return {"fp32": w, "bf16 rows": w.bfloat16(), "bf16 groups": group_rows(w),
-            "int8": FORMATS["int8"].quantize(w), "int4": FORMATS["int4"].quantize(w)}  # fmt: skip
+    return {name: (fmt.quantize(w), fmt) for name, fmt in
+            [("fp32", FP32), ("bf16 rows", BF16), ("bf16 groups", BF16_G8), ("int8", INT8), ("int4", INT4)]}
+
+
+def _float(weight: tuple[torch.Tensor, Format], k: int) -> torch.Tensor:
+    return to_float(weight[0], k, weight[1])
 
 
 def test_unknown_compute_is_refused_with_the_choices(checkpoints):
@@ -45,7 +50,7 @@ def test_unknown_compute_is_refused_with_the_choices(checkpoints):
 def test_bf16_products_within_their_bound_for_every_format(m, n, k):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     for name, w in _weights(n, k, seed=n).items():
-        w32 = to_float(w, k)
+        w32 = _float(w, k)
         y = kernels.linear(x, w, compute="bf16")
         bound = BF16_BOUND * (x.abs() @ w32.abs().t()) + 1e-6
         assert bool(((y - x @ w32.t()).abs() <= bound).all()), name
@@ -62,14 +67,14 @@ def test_amx_kernel_matches_its_twin_where_the_cpu_has_it():
     k = kernels.compiled()
     if not compute.tiles(k):  # without tiles, auto picks bf16 for bf16 weights only, where AVX512-BF16 is
         native = "avx512_bf16" in compute.cpu_flags()
-        assert (compute.pick("auto", torch.bfloat16, k) == "bf16") == native
-        assert (compute.pick("auto", torch.uint16, k) == "bf16") == native
-        assert compute.pick("auto", torch.uint8, k) != "bf16"
+        assert (compute.pick("auto", BF16, k) == "bf16") == native
+        assert (compute.pick("auto", BF16_G8, k) == "bf16") == native
+        assert compute.pick("auto", INT4, k) != "bf16"
         return
     x = torch.randn(45, 4304)  # K no multiple of 32 (the vision MLP's), M no multiple of 32
     w = torch.randn(72, 4304)
-    assert rel_err(k.amx_linear(x, w), _twin(x, w)) < 1e-5
-    assert compute.pick("auto", torch.uint8, k) == "bf16" and compute.pick("auto", torch.float32, k) == "fp32"
+    assert rel_err(k.amx_linear(x, (w, FP32.code)), _twin(x, w)) < 1e-5
+    assert compute.pick("auto", INT8, k) == "bf16" and compute.pick("auto", FP32, k) == "fp32"
 
 
 def test_bf16_products_of_block_formats_equal_those_of_their_bf16_values():
@@ -79,7 +84,7 @@ def test_bf16_products_of_block_formats_equal_those_of_their_bf16_values():
     for n, depth in ((40, 96), (136, 512), (8, 32)):
         for name, w in _weights(n, depth, seed=depth).items():
             if name in ("int8", "int4"):
-                w16 = to_float(w, depth).bfloat16()
+                w16 = _float(w, depth).bfloat16()
                 for m in (kernels.MAX_ROWS + 1, 31, 33, 70):  # prefill rows
                     x = torch.randn(m, depth, generator=torch.Generator().manual_seed(m))
                     y = kernels.linear(x, w, compute="bf16")
@@ -94,20 +99,21 @@ def test_int8_products_equal_their_twin_for_both_block_formats(m, n, k):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     for name in ("int8", "int4"):
         w = _weights(n, k, seed=n)[name]
-        twin = q8_0_round(x) @ to_float(w, k).t()
+        twin = q8_0_round(x) @ _float(w, k).t()
         assert rel_err(kernels.linear(x, w, compute="int8"), twin) < 1e-5, name
         module = kernels.compiled()
         if compute.tiles(module):  # both integer paths, the same sums
-            assert rel_err(module.amx_int8_linear(x, w), module.int8_linear(x, w)) < 1e-5, name
+            arg = kernels.weight_arg(w)
+            assert rel_err(module.amx_int8_linear(x, arg), module.int8_linear(x, arg)) < 1e-5, name
 
 
 def test_pick_resolves_per_weight_format():
     k = kernels.compiled()
-    assert compute.pick("fp32", torch.uint8, k) == "fp32"
-    assert compute.pick("bf16", torch.float32, k) == "bf16"
+    assert compute.pick("fp32", INT4, k) == "fp32"
+    assert compute.pick("bf16", FP32, k) == "bf16"
     legacy = "int8" if k is not None and k.INT8_DOT and k.int8_activations() else "fp32"
-    assert compute.pick(None, torch.uint8, k) == legacy  # a layer without a compute setting: as before
-    assert compute.pick("int8", torch.bfloat16, k) == "fp32"  # said once: int8 needs int8 / int4 weights
+    assert compute.pick(None, INT8, k) == legacy  # a layer without a compute setting: as before
+    assert compute.pick("int8", BF16, k) == "fp32"  # said once: int8 needs int8 / int4 weights
 
 
 def _logits(model, ids, mask=None):
@@ -232,8 +238,8 @@ def test_a_failed_start_up_check_keeps_auto_off_the_tiles(monkeypatch, capsys):
     monkeypatch.setattr(compute, "_said", set())
     monkeypatch.setattr(compute, "_self_check", lambda module: False)
     assert not compute.tiles(k)
-    assert compute.pick("auto", torch.uint8, k) != "bf16"
+    assert compute.pick("auto", INT4, k) != "bf16"
     monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))  # no native bf16 either
-    assert compute.pick("auto", torch.bfloat16, k) != "bf16"
+    assert compute.pick("auto", BF16, k) != "bf16"
     if k is not None and k.amx_ready():
         assert "failed their start-up check" in capsys.readouterr().err

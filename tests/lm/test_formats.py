@@ -9,7 +9,8 @@ import torch.nn.functional as F
 import mm
 from lm import kernels
 from lm.kernels import tuning
-from lm.formats import BF16, BF16_G8, FP32, INT4, INT8, blocks, format_of, gather_rows, group_rows, policy, to_float
+from lm.formats import (BF16, BF16_G8, FP32, INT4, INT8, blocks, format_of, gather_rows, group_rows, param_format,
+                        policy, tag, to_float)
 from tests.conftest import q8_0_round, rel_err
 
 
@@ -87,10 +88,10 @@ def test_products_with_float_activations_equal_dequantized_matmul(kernels_on, fm
     q = fmt.quantize(w)
     x, b = torch.randn(rows, 256, generator=g), torch.randn(48, generator=g)
     ref = F.linear(x, fmt.dequantize(q, 256), b)
-    assert rel_err(kernels.linear(x, q, b), ref) < 1e-5
-    assert rel_err(kernels.linear(x[None], q, b)[0], ref) < 1e-5  # [B, T, K] inputs
-    assert rel_err(kernels.linear(x[:, None], q, b)[:, 0], ref) < 1e-5  # decode rows [B, 1, K]
-    assert torch.equal(kernels.to_float(q, 256), fmt.dequantize(q, 256))  # the C++ conversion, bit for bit
+    assert rel_err(kernels.linear(x, (q, fmt), b), ref) < 1e-5
+    assert rel_err(kernels.linear(x[None], (q, fmt), b)[0], ref) < 1e-5  # [B, T, K] inputs
+    assert rel_err(kernels.linear(x[:, None], (q, fmt), b)[:, 0], ref) < 1e-5  # decode rows [B, 1, K]
+    assert torch.equal(kernels.to_float((q, fmt), 256), fmt.dequantize(q, 256))  # the C++ conversion, bit for bit
 
 
 def test_bf16_rows_in_groups_of_8():
@@ -123,7 +124,7 @@ def test_bf16_rows_in_groups_of_8():
     assert set(policy.plan(shapes, "auto", torch.bfloat16, groups=False).values()) == {BF16}
     table = torch.randn(24, 64, generator=torch.Generator().manual_seed(1))
     ids = torch.tensor([[0, 7, 8], [23, 15, 9]])
-    assert torch.equal(gather_rows(group_rows(table), ids), table.bfloat16()[ids])  # the table's rows, gathered
+    assert torch.equal(gather_rows(group_rows(table), ids, BF16_G8), table.bfloat16()[ids])  # the table's rows
 
 
 def test_bf16_groups_follow_the_kernels_the_profile_and_the_switch(monkeypatch):
@@ -170,7 +171,7 @@ def test_products_with_int8_activations(int8_on, fmt, rows):
     blocks = x.view(rows, -1, 32)
     d = blocks.abs().amax(-1, keepdim=True) / 127
     xq = (torch.round(blocks / d) * d).view(rows, 256).double()
-    y = kernels.linear(x, q).double()
+    y = kernels.linear(x, (q, fmt)).double()
     assert rel_err(y, xq @ wf.T) < 1e-5
     bound = (wf.abs() @ (d / 2).expand(-1, -1, 32).reshape(rows, 256).double().T).T  # [rows, N]
     assert ((y - x.double() @ wf.T).abs() <= bound * 1.001 + 1e-6).all()
@@ -184,9 +185,9 @@ def test_int8_dot_products_of_one_row_equal_those_of_more_rows_bit_for_bit(int8_
     rows, so each row's y is the same bit for bit."""
     q = fmt.quantize(_weights(seed=2))
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3))
-    both = kernels.linear(x, q)
+    both = kernels.linear(x, (q, fmt))
     for r in range(3):
-        assert torch.equal(kernels.linear(x[r : r + 1], q), both[r : r + 1])
+        assert torch.equal(kernels.linear(x[r : r + 1], (q, fmt)), both[r : r + 1])
 
 
 @pytest.mark.parametrize("fmt", [BF16, BF16_G8, INT8, INT4])
@@ -199,7 +200,7 @@ def test_grouped_and_moe_decode_kernels_with_compact_experts(kernels_on, fmt):
     kernels.set_int8_activations(False)
     gf = fmt.dequantize(gq, 96)
     ref = torch.cat([x[0:2] @ gf[0].T, x[2:3] @ gf[3].T, x[3:7] @ gf[5].T])
-    assert rel_err(kernels.grouped_linear(x, gq, experts, sizes), ref) < 1e-5
+    assert rel_err(kernels.grouped_linear(x, (gq, fmt), experts, sizes), ref) < 1e-5
 
     from lm.config import TextConfig
     from lm.moe import SparseMoeBlock
@@ -220,6 +221,7 @@ def test_grouped_and_moe_decode_kernels_with_compact_experts(kernels_on, fmt):
         q = fmt.quantize(p.data)
         reference[name] = fmt.dequantize(q, p.shape[-1])
         block.get_submodule(module)._parameters[attr] = torch.nn.Parameter(q, requires_grad=False)
+        tag(block.get_submodule(module), attr, fmt)
     x = torch.randn(5, 96, generator=g)
     dense = SparseMoeBlock(cfg).eval()
     dense.load_state_dict(reference)
@@ -234,14 +236,16 @@ def test_grouped_and_moe_decode_kernels_with_compact_experts(kernels_on, fmt):
 
 def _random_moe(fmt, seed, E, H, I, Is):
     """Random MoE weights in `fmt`: (w, a maker of more random tensors; router; gate_up; down; the
-    shared expert's three)."""
+    shared expert's three), each weight in `fmt` a (storage, fmt) pair."""
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape):
         return torch.randn(*shape, generator=g) * 0.2
 
-    router, gate_up, down = w(E, H), fmt.quantize(w(E, 2 * I, H)), fmt.quantize(w(E, H, I))
-    return w, router, gate_up, down, [fmt.quantize(w(Is, H)), fmt.quantize(w(Is, H)), fmt.quantize(w(H, Is))]
+    def q(*shape):
+        return fmt.quantize(w(*shape)), fmt
+
+    return w, w(E, H), q(E, 2 * I, H), q(E, H, I), [q(Is, H), q(Is, H), q(H, Is)]
 
 
 @pytest.mark.parametrize("fmt", [INT8, INT4])
@@ -275,13 +279,13 @@ def test_prefill_products_with_int8_activations(int8_on, fmt):
     rows = 3 * kernels.MAX_ROWS + 5
     x = torch.randn(rows, 256, generator=g)
     xq = q8_0_round(x).double()
-    y = kernels.linear(x.view(1, rows, 256), q)[0]
+    y = kernels.linear(x.view(1, rows, 256), (q, fmt))[0]
     assert rel_err(y.double(), xq @ wf.T) < 1e-5
     assert 1e-4 < rel_err(y.double(), x.double() @ wf.T) < 2e-2  # the rounding is real
     for r in (0, 7, rows - 1):
-        assert torch.equal(y[r : r + 1], kernels.linear(x[r : r + 1], q))
+        assert torch.equal(y[r : r + 1], kernels.linear(x[r : r + 1], (q, fmt)))
     kernels.set_int8_activations(False)  # off: the weight converted to float32, then the GEMM
-    assert rel_err(kernels.linear(x, q).double(), x.double() @ wf.T) < 1e-5
+    assert rel_err(kernels.linear(x, (q, fmt)).double(), x.double() @ wf.T) < 1e-5
 
 
 @pytest.mark.parametrize("fmt", [INT8, INT4])
@@ -291,7 +295,7 @@ def test_prefill_experts_equal_decode_experts_with_int8_activations(int8_on, fmt
     (the shared expert is zeroed here: prefill runs it through the layers' own products)."""
     E, K, H, I, Is, N = 8, 2, 96, 64, 32, 24
     w, router, gate_up, down, shared = _random_moe(fmt, 11, E, H, I, Is)
-    shared[2] = fmt.quantize(torch.zeros(H, Is))
+    shared[2] = fmt.quantize(torch.zeros(H, Is)), fmt
     x = w(N, H) / 0.2
     probs = (x @ router.T).softmax(-1)
     top = probs.topk(K, dim=-1)
@@ -400,7 +404,7 @@ def _dequantized_fp32(model, path):
     params = dict(ref.lm.named_parameters(remove_duplicate=False))
     with torch.no_grad():
         for name, p in model.lm.named_parameters(remove_duplicate=False):
-            params[name].copy_(to_float(p, params[name].shape[-1]))
+            params[name].copy_(to_float(p, params[name].shape[-1], param_format(model.lm, name)))
     return ref
 
 
@@ -416,8 +420,9 @@ def test_compact_model_equals_its_dequantized_weights_in_fp32(tmp_path, monkeypa
     path = _bf16_checkpoint(tmp_path, kind, **extra)
     monkeypatch.setattr(kernels, "MIN_WEIGHT_ELEMENTS", 0)
     model = mm.load_model(path, weights=weights, compute="int8")  # int8 products (float32 with them off)
-    table = model.lm.model.embed_tokens.weight  # bf16: rows, or rows in groups of 8 with the kernels
-    assert model.lm.lm_head.weight.dtype == torch.uint8 and format_of(table, table.shape[1]).name == "bf16"
+    formats = {name: param_format(model.lm, name) for name in ("lm_head.weight", "model.embed_tokens.weight")}
+    assert formats["lm_head.weight"].name == weights  # the table: bf16 rows, or in groups of 8 with the kernels
+    assert formats["model.embed_tokens.weight"].name == "bf16"
     reference = _dequantized_fp32(model, path)
     ids, mask = _batch(batch, seed=batch)
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "0")
@@ -439,9 +444,9 @@ def test_tied_head_in_another_format_gets_its_own_table(tmp_path, monkeypatch):
     path = _bf16_checkpoint(tmp_path, "dense_text", tie_word_embeddings=True)
     model = mm.load_model(path, weights="int8")
     head, table = model.lm.lm_head.weight, model.lm.model.embed_tokens.weight
-    k = table.shape[1]
-    assert head.dtype == torch.uint8 and format_of(table, k).name == "bf16"  # rows, or rows in groups of 8
-    assert torch.equal(to_float(head, k), INT8.dequantize(INT8.quantize(to_float(table, k)), k))
+    k, table_fmt = table.shape[1], param_format(model.lm, "model.embed_tokens.weight")
+    assert param_format(model.lm, "lm_head.weight") is INT8 and table_fmt.name == "bf16"  # rows, or groups of 8
+    assert torch.equal(to_float(head, k, INT8), INT8.dequantize(INT8.quantize(to_float(table, k, table_fmt)), k))
     auto = mm.load_model(path)
     assert auto.lm.lm_head.weight is auto.lm.model.embed_tokens.weight  # one format: still one tensor
 
@@ -495,8 +500,8 @@ def test_fp8_checkpoint_loads_block_dequantized(tmp_path):
         else:
             param = params[name]
         assert torch.equal(param, value), name
-    auto = mm.load_model(path).lm.lm_head.weight  # auto: an fp8 checkpoint is bf16-class (rows grouped by 8)
-    assert format_of(auto, auto.shape[-1]).name == "bf16"
+    auto = mm.load_model(path).lm  # auto: an fp8 checkpoint is bf16-class (rows grouped by 8)
+    assert param_format(auto, "lm_head.weight").name == "bf16"
 
 
 @pytest.fixture(autouse=True)

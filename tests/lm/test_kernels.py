@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import mm
 from lm import kernels
+from lm.formats import FP32, INT4, INT8
 from tests.conftest import q8_0_round, rel_err
 
 
@@ -168,9 +169,10 @@ def test_moe_decode_gives_the_same_bits_on_every_call(monkeypatch, rows, pieces)
     k, s, before = kernels.compiled(), block.shared_expert, torch.get_num_threads()
 
     def call():
-        return k.moe_decode(x, block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj, 4,
-                            s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight, block.shared_expert_gate.weight,
-                            pieces)
+        w = kernels.weight_arg  # float32 weights: (weight, FP32.code)
+        return k.moe_decode(x, w(block.gate.weight), w(block.experts.gate_up_proj), w(block.experts.down_proj), 4,
+                            w(s.gate_proj.weight), w(s.up_proj.weight), w(s.down_proj.weight),
+                            block.shared_expert_gate.weight, pieces)
 
     try:
         for threads in (2, 1, 3):
@@ -198,9 +200,8 @@ def test_prefill_experts_give_the_same_bits_on_every_call_and_thread_count(monke
     E, N, K, H, I = 16, 40, 4, 64, 32
     x = torch.randn(N, H, generator=g)
     gate_up, down = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
-    if fmt != "fp32":
-        gate_up = FORMATS[fmt].quantize(gate_up.reshape(E * 2 * I, H)).view(E, 2 * I, -1)
-        down = FORMATS[fmt].quantize(down.reshape(E * H, I)).view(E, H, -1)
+    gate_up = FORMATS[fmt].quantize(gate_up.reshape(E * 2 * I, H)).view(E, 2 * I, -1), FORMATS[fmt]
+    down = FORMATS[fmt].quantize(down.reshape(E * H, I)).view(E, H, -1), FORMATS[fmt]
     chosen = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])  # [N, K]
     weights = torch.rand(N, K, generator=g)
     order = chosen.flatten().argsort(stable=True)
@@ -219,8 +220,7 @@ def test_prefill_experts_give_the_same_bits_on_every_call_and_thread_count(monke
     finally:
         torch.set_num_threads(before)
         kernels.set_int8_activations(True)
-    wg = kernels.compiled().dequantize(gate_up, H) if fmt != "fp32" else gate_up
-    wd = kernels.compiled().dequantize(down, I) if fmt != "fp32" else down
+    wg, wd = kernels.to_float(gate_up, H), kernels.to_float(down, I)
     rounded = q8_0_round if int8 else (lambda v: v)
     reference, exact = torch.zeros(N, H), torch.zeros(N, H)
     for n in range(N):
@@ -271,12 +271,13 @@ def test_fused_deltanet_decode_equals_reference(monkeypatch, rows, value_dim, sc
     k = kernels.compiled()
 
     def fused(x, slot):  # as decode_step.cpp runs a DeltaNet layer: projections, token step, out_proj
-        qkv, z, b, a = k.multi_linear(x, [layer.in_proj_qkv.weight, layer.in_proj_z.weight, layer.in_proj_b.weight,
-                                          layer.in_proj_a.weight])
+        w = kernels.weight_arg  # float32 weights: (weight, FP32.code)
+        qkv, z, b, a = k.multi_linear(x, [w(layer.in_proj_qkv.weight), w(layer.in_proj_z.weight),
+                                          w(layer.in_proj_b.weight), w(layer.in_proj_a.weight)])
         conv = layer.conv1d.weight.view(conv_dim, -1)
         out = k.gdn_decode(qkv, z, b, a, slot.conv, conv, layer.A_log, layer.dt_bias, slot.recurrent,
                            layer.norm.weight, layer.norm.eps, layer.num_k_heads)
-        return k.small_m_linear(out, layer.out_proj.weight, torch.empty(0))
+        return k.small_m_linear(out, w(layer.out_proj.weight), torch.empty(0))
 
     ours = run(fused)
     for a, b in zip(ours, reference):
@@ -396,15 +397,27 @@ def test_decode_attention_splits_keys_between_threads(monkeypatch, threads):
 
 
 def test_kernels_reject_mismatched_weights_with_a_clear_error(monkeypatch):
+    """A weight reaches the kernels with its format (lm/formats: the layer's tag, Format.code); they
+    check the storage against it and never infer a format: storage that does not match its tag, and
+    compact storage with no tag, are clear errors."""
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
-    with pytest.raises(RuntimeError, match="unsupported weight dtype"):
-        kernels.multi_linear(torch.randn(2, 64), [torch.randn(8, 64, dtype=torch.float16)])
-    with pytest.raises(RuntimeError, match="rows of 48 bytes are neither Q8_0"):
-        kernels.multi_linear(torch.randn(2, 64), [torch.zeros(8, 48, dtype=torch.uint8)])
-    with pytest.raises(RuntimeError, match="bfloat16 rows of 32, expected 64"):
-        kernels.multi_linear(torch.randn(2, 64), [torch.zeros(8, 32, dtype=torch.bfloat16)])
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="torch.float16 storage needs its format named"):
+        kernels.multi_linear(x, [torch.randn(8, 64, dtype=torch.float16)])
+    with pytest.raises(ValueError, match="torch.uint8 storage needs its format named"):
+        kernels.multi_linear(x, [INT8.quantize(torch.randn(8, 64))])
+    with pytest.raises(RuntimeError, match="float32 weights are stored as Float, got Half"):
+        kernels.multi_linear(x, [(torch.randn(8, 64, dtype=torch.float16), FP32)])
+    with pytest.raises(RuntimeError, match="a Q8_0 row of K = 64 inputs holds 68 elements, got 36"):
+        kernels.multi_linear(x, [(INT4.quantize(torch.randn(8, 64)), INT8)])  # the tag, not the bytes, decides
+    with pytest.raises(RuntimeError, match="a bf16 row of K = 64 inputs holds 64 elements, got 32"):
+        kernels.multi_linear(x, [torch.zeros(8, 32, dtype=torch.bfloat16)])
+    with pytest.raises(RuntimeError, match="unknown weight format code 9"):
+        kernels.compiled().small_m_linear(x, (torch.randn(8, 64), 9), torch.empty(0))
     with pytest.raises(RuntimeError, match="must be a contiguous"):
-        kernels.multi_linear(torch.randn(2, 64), [torch.randn(64, 8).T])
+        kernels.multi_linear(x, [torch.randn(64, 8).T])
+    q = INT4.quantize(torch.randn(8, 64))
+    assert rel_err(kernels.multi_linear(x, [(q, INT4)])[0], x @ INT4.dequantize(q, 64).T) < 1e-2
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 5, 40])  # fewer tokens than the window: it keeps old rows

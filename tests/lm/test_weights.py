@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 import mm
 from lm import WeightError
-from lm.formats import format_of
+from lm.formats import param_format
 from tests import tiny
 from tests.conftest import rel_err
 
@@ -89,8 +89,7 @@ def test_tied_embeddings_and_bf16_storage(tmp_path):
     _rewrite(tmp_path, lambda ts: {k: v.to(torch.bfloat16) for k, v in ts.items()})
     for weights, fmt in (("auto", "bf16"), ("fp32", "fp32")):  # auto keeps a bf16 checkpoint bf16 (rows, or in groups of 8)
         model = mm.load_model(tmp_path, weights=weights)
-        head = model.lm.lm_head.weight
-        assert format_of(head, head.shape[-1]).name == fmt and model.lm.compute_dtype == torch.float32
+        assert param_format(model.lm, "lm_head.weight").name == fmt and model.lm.compute_dtype == torch.float32
         assert model.lm.lm_head.weight.data_ptr() == model.lm.model.embed_tokens.weight.data_ptr()
 
 

@@ -13,7 +13,7 @@ import torch
 
 import mm
 from lm import WeightError
-from lm.formats import to_float
+from lm.formats import param_format, to_float
 from tests.conftest import rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,7 +85,7 @@ def with_dequantized_weights(hf, ours):
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name == "lm_head.weight" or name.startswith("model."):
-                p.copy_(to_float(params[name], p.shape[-1]).reshape(p.shape))
+                p.copy_(to_float(params[name], p.shape[-1], param_format(ours.lm, name)).reshape(p.shape))
     return hf
 
 
@@ -113,7 +113,7 @@ def check_weights_near(hf, model, bound: float) -> None:
     ref = dict(hf.named_parameters())
     for name, p in model.lm.named_parameters():
         r = ref[name].detach()
-        assert rel_err(to_float(p, r.shape[-1]).reshape(r.shape), r) <= bound, name
+        assert rel_err(to_float(p, r.shape[-1], param_format(model.lm, name)).reshape(r.shape), r) <= bound, name
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

@@ -14,7 +14,7 @@ import torch
 
 import mm
 from lm import WeightError
-from lm.formats import FP32, INT4, INT8, format_of, to_float
+from lm.formats import FP32, INT4, INT8, format_of, param_format, to_float
 from lm.gguf_kquants import BLOCK_BYTES, QK_K, dequantize
 from lm.gguf_names import param_name
 from lm.gguf_read import GGUFFile
@@ -207,19 +207,19 @@ def test_a_k_quant_file_is_converted_at_load_and_says_so_once(kind, tmp_path_fac
               "model.embed_tokens.weight": FP32,  # Q4_K, rows gathered
               "model.layers.0.linear_attn.in_proj_a.weight": FP32}  # Q4_K, a small matrix (compute dtype)
     for name, fmt in expect.items():
-        assert format_of(params[name], floats[name].shape[-1]) is fmt, name
+        assert param_format(model.lm, name) is fmt is format_of(params[name], floats[name].shape[-1]), name
     for name, p in model.lm.named_parameters():
         f = floats[name]
         if p.dtype == torch.float32:
             assert torch.equal(p, f), name
             continue
-        fmt = format_of(p, f.shape[-1])
+        fmt = param_format(model.lm, name)
         assert torch.equal(p, fmt.quantize(f)), name  # our quantizer on the dequantized values
         bound = 1 / 7 if fmt is INT4 else 1 / 254 + 1 / 2048  # half a step, d in fp16 (int4: -max clamps to 7 d)
-        assert rel_err(to_float(p, f.shape[-1]), f) <= bound, name
+        assert rel_err(to_float(p, f.shape[-1], fmt), f) <= bound, name
     with torch.no_grad():
         for name, p in reference.lm.named_parameters():
-            p.copy_(to_float(params[name], p.shape[-1]))
+            p.copy_(to_float(params[name], p.shape[-1], param_format(model.lm, name)))
     x = ids()
     assert rel_err(model(x), reference(x)) <= 1e-5
 
