@@ -1,6 +1,6 @@
 """The decode product kernels alone, per weight format: their rate and share of the read bandwidth.
 
-    python -m bench.products [--formats fp32,bf16,int8,int4] [--rows 1] [--repeats 3]
+    python -m bench.products [--formats fp32,bf16,int8,int4,q4_k,q5_k,q6_k] [--rows 1] [--repeats 3]
                              [--threads N] [--in-cache]
 
 Times one batch's products through a list of decode-shaped weights (12 x [4096 x 1024], [1024 x
@@ -12,7 +12,8 @@ arithmetic, not by memory: that rate is the ceiling of a decode step in that for
 int8/int4 products of 2 AVX2 cores reach ~35-41 G weights/s, ~60-85% of a ~35 GB/s probe and less
 of a faster one), whatever the rest of the step costs. `--in-cache` runs one [4096 x 1024] weight
 48 times instead (at most 8 MiB: it stays in the last-level cache), the arithmetic rate alone;
-with `--threads 1`, per core.
+with `--threads 1`, per core. The K-quants (q4_k, q5_k, q6_k: GGUF files' formats) are random
+super-blocks with small fp16 scales (no quantizer of ours makes them).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from bench.limits import ReadBandwidth, best_time, last_level_cache_bytes
 from lm import kernels
-from lm.formats import policy
+from lm.formats import KQUANTS, policy
 from lm.hugepages import gather_into_huge_pages
 
 SHAPES = [(4096, 1024), (1024, 4096), (2048, 1024), (1024, 2048)] * 12
@@ -55,6 +56,15 @@ def in_huge_pages(tensors) -> list[torch.Tensor]:
 def weights_in(fmt, shapes) -> list[torch.Tensor]:
     """Random weights of `shapes` in `fmt`'s storage, in one huge-page buffer (in_huge_pages)."""
     g = torch.Generator().manual_seed(0)
+    if fmt.block == 256:  # a K-quant: random bytes, the fp16 scales (byte 0 on; Q6_K's at 208) made small
+        def random_rows(n, k):
+            raw = torch.randint(0, 256, (n * k // 256, fmt.block_bytes), dtype=torch.uint8, generator=g)
+            scales = torch.full((raw.shape[0], 1), 1e-3, dtype=torch.float16).view(torch.uint8)
+            for at in ((208,) if fmt.name == "q6_k" else (0, 2)):
+                raw[:, at : at + 2] = scales
+            return raw.view(n, -1)
+
+        return in_huge_pages([random_rows(n, k) for n, k in shapes])
     return in_huge_pages([fmt.quantize(torch.randn(n, k, generator=g) * 0.02).contiguous() for n, k in shapes])
 
 
@@ -75,7 +85,8 @@ def main() -> None:
     print(f"{args.rows} row(s) of x; {torch.get_num_threads()} threads; "
           f"int8 activations {'on' if k.INT8_DOT else 'not built'}")
     for name in args.formats.split(","):
-        fmt = policy.storage(name, kernels.bf16_groups())  # bf16: in groups of 8 rows where the policy would
+        kquant = {f.name: f for f in KQUANTS.values()}.get(name)
+        fmt = kquant or policy.storage(name, kernels.bf16_groups())  # bf16: in groups of 8 rows where the policy would
         shapes = [(4096, 1024)] * 48 if args.in_cache else streamed_shapes(fmt)
         weights_count = sum(n * kk for n, kk in shapes)
         ws = weights_in(fmt, shapes[:1]) * len(shapes) if args.in_cache else weights_in(fmt, shapes)

@@ -14,10 +14,11 @@ writes, from the Hugging Face tensors:
                                               ffn_gate_up_exps, with --fuse-gate-up-exps)
     per-expert tensors                        stacked into [E, ...]
 Blocks of Q8_0 / Q4_0 keep their bits where our storage is the same format (rows regrouped by 8,
-lm/formats/blocks.py); a reorder of out_proj's columns moves whole blocks when the value head dim is
-a multiple of 32 (every real checkpoint), else the weight is planned in float32 (`plan`). K-quant
-tensors (Q4_K, Q5_K, Q6_K, Q8_K) have no kernels yet: they are dequantized (lm/gguf_kquants.py) and
-converted at load into the planned format (gguf_kquants.STORED_AS under "auto"), said once.
+lm/formats/blocks.py), as do Q4_K / Q5_K / Q6_K super-blocks (rows as in the file); a reorder of
+out_proj's columns moves whole blocks when the value head dim is a multiple of the block (32; 256
+for the K-quants), else the weight is planned in float32, or for a K-quant converted (`plan`). Q8_K
+tensors, and the K-quant tensors not kept, are dequantized (lm/gguf_kquants.py) and converted at
+load into the planned format (gguf_kquants.STORED_AS under "auto"), said once.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import torch
 from torch import nn
 
 from .config import TextConfig
-from .formats import BF16, BF16_G8, FORMATS, FP32, INT4, INT8, Format, blocks, policy
-from .gguf_kquants import KQUANT_TYPES, STORED_AS
+from .formats import BF16, BF16_G8, FORMATS, FP32, INT4, INT8, KQUANTS, Format, blocks, policy
+from .gguf_kquants import KQUANT_TYPES, QK_K, STORED_AS
 from .gguf_read import BLOCK_TYPES, GGUFFile
 from .weights import WeightError, heads_tied
 
@@ -55,7 +56,8 @@ _LAYER = {
 }  # fmt: skip
 _PLUS_ONE = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight")
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
-_AUTO = {"Q8_0": INT8, "Q4_0": INT4, "BF16": BF16, **{k: FORMATS[f] for k, f in STORED_AS.items()}}
+_AUTO = {"Q8_0": INT8, "Q4_0": INT4, "BF16": BF16, **{k: FORMATS[f] for k, f in STORED_AS.items()}, **KQUANTS}
+_RAW = {"Q8_0": INT8, "Q4_0": INT4, **KQUANTS}  # GGUF types whose bits our storage keeps
 
 
 def param_name(gguf_name: str, n_layers: int) -> str | None:
@@ -117,15 +119,16 @@ def undo_rows(kind: str, t: torch.Tensor, c: TextConfig) -> torch.Tensor:
     return t
 
 
-def undo_blocks(kind: str, q: torch.Tensor, c: TextConfig) -> torch.Tensor | None:
-    """The HF rows of a Q8_0 / Q4_0 tensor, still GGUF blocks; None where a reorder splits blocks."""
+def undo_blocks(kind: str, q: torch.Tensor, c: TextConfig, block: int = blocks.QK) -> torch.Tensor | None:
+    """The HF rows of a tensor of GGUF blocks of `block` weights (32: Q8_0 / Q4_0; 256: the
+    K-quants), still blocks; None where a reorder splits blocks."""
     k, r, reordered = _v_heads(c)
     if kind == "ssm_out.weight" and reordered:
         d = c.linear_value_head_dim
-        if d % blocks.QK:
+        if d % block:
             return None
-        per = q.shape[-1] // (c.linear_num_value_heads * d // blocks.QK)  # bytes per block
-        heads = q.reshape(q.shape[0], r, k, d // blocks.QK * per)
+        per = q.shape[-1] // (c.linear_num_value_heads * d // block)  # bytes per block
+        heads = q.reshape(q.shape[0], r, k, d // block * per)
         return heads.transpose(1, 2).reshape(q.shape)
     return undo_rows(kind, q, c)
 
@@ -137,11 +140,12 @@ def kind_of(gguf_name: str) -> str:
 
 def plan(lm: nn.Module, file: GGUFFile, weights: str, groups: bool) -> dict[str, Format]:
     """The storage format of each large LM parameter for a GGUF file: the spec's where it names one
-    (lm/formats/policy.py), else ("auto") the tensor's own: Q8_0 -> int8, Q4_0 -> int4, BF16 -> bf16,
-    F32 / F16 -> fp32 (F16 exactly), a K-quant as gguf_kquants.STORED_AS says (Q4_K -> int4, Q5_K /
-    Q6_K / Q8_K -> int8), any other type -> fp32. A block tensor that does not fit our
-    storage (rows % 8, K % 32) or whose columns the V-head reorder splits is kept in float32 (bf16
-    where the spec named the format, as policy.plan does), said once."""
+    (lm/formats/policy.py), else ("auto") the tensor's own: Q8_0 -> int8, Q4_0 -> int4, Q4_K / Q5_K /
+    Q6_K as they are, BF16 -> bf16, F32 / F16 -> fp32 (F16 exactly), Q8_K -> int8, any other type
+    -> fp32. A K-quant tensor whose super-blocks the V-head reorder splits is converted as
+    gguf_kquants.STORED_AS says (Q4_K -> int4, Q5_K / Q6_K -> int8). A block tensor that does not fit
+    our storage (rows % 8, K % 32; K % 256 for the K-quants) or whose columns the V-head reorder
+    splits is kept in float32 (bf16 where the spec named the format, as policy.plan does), said once."""
     parts = policy.parse(weights)
     n = lm.config.num_hidden_layers
     source = {}
@@ -160,9 +164,12 @@ def plan(lm: nn.Module, file: GGUFFile, weights: str, groups: bool) -> dict[str,
             fmt = policy.storage(parts[part], groups)
         else:
             fmt = _AUTO.get(kind, FP32)
-            if fmt in (INT8, INT4) and part in ("embed", "router"):
+            if fmt.blocked and part in ("embed", "router"):
                 fmt = FP32  # rows gathered / float only: the exact float32
             c = lm.config
+            if kind in KQUANTS and fmt.blocked and kind_of(source[name]) == "ssm_out.weight" \
+                    and c.linear_value_head_dim % QK_K and c.linear_num_value_heads != c.linear_num_key_heads:
+                fmt = FORMATS[STORED_AS[kind]]  # the reorder splits super-blocks: dequantized, converted
             if kind in BLOCK_TYPES and kind_of(source[name]) == "ssm_out.weight" and c.linear_value_head_dim % 32 \
                     and c.linear_num_value_heads != c.linear_num_key_heads:
                 fmt = FP32
@@ -188,7 +195,7 @@ def say_kquant_conversion(lm: nn.Module, file: GGUFFile, formats: dict[str, Form
     floats = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     for g in file.tensors:
         kind, name = file.type_of(g), param_name(g, lm.config.num_hidden_layers)
-        if kind in KQUANT_TYPES and name is not None:
+        if kind in KQUANT_TYPES and name is not None and formats.get(name) is not KQUANTS.get(kind):
             to = formats[name].name if name in formats else floats.get(dtype, str(dtype))
             done.setdefault(kind, {}).setdefault(to, 0)
             done[kind][to] += 1
@@ -197,9 +204,10 @@ def say_kquant_conversion(lm: nn.Module, file: GGUFFile, formats: dict[str, Form
     kinds = sorted(done)
     ways = "; ".join(f"{k} -> " + ", ".join(f"{to} ({n})" for to, n in sorted(done[k].items())) for k in kinds)
     lossy = any(to in ("int8", "int4") for ways_k in done.values() for to in ways_k)
-    print(f"[qwen35] {file.path.name}: this file's {' / '.join(kinds)} tensors are converted at load (no K-quant "
-          f"kernels yet): {ways} tensor(s)" + ("; weights=fp32 keeps their values exactly" if lossy else ""),
-          file=sys.stderr)
+    print(f"[qwen35] {file.path.name}: {' / '.join(kinds)} tensors converted at load (Q4_K / Q5_K / Q6_K are "
+          f"kept as they are where weights= and their shapes allow; weights=int4 converts them to Q4_0, whose "
+          f"decode products run faster): {ways} tensor(s)"
+          + ("; weights=fp32 keeps their values exactly" if lossy else ""), file=sys.stderr)
 
 
 def load_gguf_lm_weights(lm: nn.Module, file: GGUFFile, formats: dict[str, Format]) -> None:
@@ -230,13 +238,13 @@ def load_gguf_lm_weights(lm: nn.Module, file: GGUFFile, formats: dict[str, Forma
 
 def _fill(param: torch.Tensor, file: GGUFFile, g: str, kind: str, fmt: Format | None, c: TextConfig) -> None:
     gtype = file.type_of(g)
-    same = fmt is not None and ((fmt is INT8 and gtype == "Q8_0") or (fmt is INT4 and gtype == "Q4_0"))
-    q = undo_blocks(kind, file.blocks(g), c) if same else None
+    same = fmt is not None and fmt is _RAW.get(gtype)
+    q = undo_blocks(kind, file.blocks(g), c, fmt.block) if same else None
     if q is not None:
         if tuple(q.shape) != tuple(param.shape):
             raise WeightError(f"GGUF tensor {g!r} has blocks {list(q.shape)}, expected {list(param.shape)}")
         with torch.no_grad():
-            param.copy_(blocks.interleave8(q, fmt.block_bytes))
+            param.copy_(q if fmt.rows == 1 else blocks.interleave8(q, fmt.block_bytes))  # K-quants: rows as they are
         return
     expected = tuple(param.shape) if fmt is None else (*param.shape[:-1], fmt.inputs(param.shape[-1]))
     if kind.endswith("_exps.weight") and file.shape(g) == expected:  # no transform: one expert at a time

@@ -2,9 +2,9 @@
 the `gguf` package's memory map (the file is never copied whole; each tensor is read as it is used).
 
 `GGUFFile(path)` checks the architecture, gives the hyper-parameters as a Hugging Face text config
-dict (`hf_config`), and each tensor as float32 (`float_tensor`) or, for Q8_0 / Q4_0, as its GGUF
-blocks (`blocks`, uint8 [..., N, K / 32 * bytes], rows as in the file). The K-quants Q4_K, Q5_K,
-Q6_K and Q8_K are read too (lm/gguf_kquants.py: dequantized, converted at load by the caller).
+dict (`hf_config`), and each tensor as float32 (`float_tensor`) or, for Q8_0 / Q4_0 / Q4_K / Q5_K /
+Q6_K, as its GGUF blocks (`blocks`, uint8 [..., N, bytes of a row], rows as in the file). Q8_K is
+read too (lm/gguf_kquants.py: dequantized, converted at load by the caller).
 Other tensor types (Q5_0, IQ*, TQ*, ...) are refused by name unless `dequantize_unsupported`. A model split
 in parts (`NAME-00001-of-0000N.gguf`, llama.cpp's `split.count`) is read from its first part's path.
 """
@@ -122,9 +122,10 @@ class GGUFFile:
         return torch.from_numpy(out).reshape(shape)
 
     def blocks(self, name: str) -> torch.Tensor:
-        """A Q8_0 / Q4_0 tensor's GGUF blocks, uint8 [..., N, K / 32 * bytes], rows as in the file."""
+        """A Q8_0 / Q4_0 tensor's GGUF blocks, or a Q4_K / Q5_K / Q6_K tensor's super-blocks, uint8
+        [..., N, bytes of a row], rows as in the file."""
         t = self.tensors[name]
-        if t.tensor_type.name not in BLOCK_TYPES:
+        if t.tensor_type.name not in BLOCK_TYPES + gguf_kquants.KEPT:
             raise ValueError(f"{name} is {t.tensor_type.name}, not a block type")
         shape = self.shape(name)
         return torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(*shape[:-1], -1)

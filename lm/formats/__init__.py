@@ -10,6 +10,8 @@ the same tensors, in registers):
            bfloat16 [..., N, K] (BF16, rows)    16                exact
     int8   uint8 [..., N, K/32*34], GGUF Q8_0    8.5              w = d q, fp16 d per 32 weights
     int4   uint8 [..., N, K/32*18], GGUF Q4_0    4.5              w = d (q - 8)
+    q4_k   uint8 [..., N, K/256*144], GGUF Q4_K  4.5              kquants.py (also q5_k: 5.5,
+                                                                  q6_k: 6.5625); from GGUF files
 
 int8 and int4 keep GGUF's blocks with the rows regrouped by 8 (blocks.py), so their weights need a
 multiple of 8 rows; the policy (policy.py) keeps any other weight in bf16 and says so. Where the CPU
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import blocks
+from . import blocks, kquants
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,20 @@ INT8 = Format("int8", torch.uint8, blocks.QK, blocks.Q8_0_BYTES, blocks.quantize
 INT4 = Format("int4", torch.uint8, blocks.QK, blocks.Q4_0_BYTES, blocks.quantize_q4_0, blocks.dequantize_q4_0, 3,
               blocks.ROW_GROUP)
 FORMATS: dict[str, Format] = {f.name: f for f in (FP32, BF16, INT8, INT4)}  # "bf16": rows (BF16_G8: policy.plan)
+
+
+def _from_gguf(w: torch.Tensor) -> torch.Tensor:
+    raise ValueError("K-quant weights come from GGUF files as they are; there is no K-quant quantizer here")
+
+
+def _kquant(name: str, code: int) -> Format:
+    """GGUF's K-quant `name` (kquants.py): rows as in the file, super-blocks of 256 weights."""
+    return Format(name.lower(), torch.uint8, kquants.QK_K, kquants.BLOCK_BYTES[name], _from_gguf,
+                  lambda w, k: kquants.dequantize(w, name), code)
+
+
+Q4_K, Q5_K, Q6_K = _kquant("Q4_K", 5), _kquant("Q5_K", 6), _kquant("Q6_K", 7)
+KQUANTS: dict[str, Format] = {"Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K}  # GGUF type -> format (GGUF files only)
 
 
 def tag(module, name: str, fmt: Format) -> None:

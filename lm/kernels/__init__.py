@@ -413,9 +413,10 @@ def release_openmp_workers() -> None:
 
 
 def set_int8_activations(on: bool) -> None:
-    """Q8_0 / Q4_0 products with the activations rounded to Q8_0 blocks and integer dot products
-    (on, the default; kernels/int8_dot.h states the error), or with float32 activations (off: equal
-    to dequantize-then-matmul up to float32 rounding). Decode: ~2x faster on AVX2. Prefill
+    """Q8_0 / Q4_0 / K-quant products with the activations rounded to Q8_0 blocks and integer dot
+    products (on, the default; kernels/int8_dot.h states the error; K-quants: decode rows only,
+    kquant_dot.h), or with float32 activations (off: equal to dequantize-then-matmul up to float32
+    rounding). Decode: ~2x faster on AVX2. Prefill
     (`linear` of more than MAX_ROWS rows, the routed experts of expert_mlp): the weights are read
     as they are instead of converted to float32 for MKL's SGEMM, 1.7-2.5x faster on the GEMMs."""
     if (k := _kernels()) is not None:

@@ -164,6 +164,9 @@ void weight_to_bf16(const Rows& w, int64_t N, int64_t K, int64_t Kp, uint16_t* o
     case BF16: rows_to_bf16<TraitsBF16>(w, N, K, Kp, out, ld); break;
     case BF16_G8: group_rows_to_bf16<TraitsBF16G8>(w, N, K, out, ld); break;
     case Q8_0: group_rows_to_bf16<TraitsQ8_0>(w, N, K, out, ld); break;
+    case Q4_K: rows_to_bf16<TraitsQ4_K>(w, N, K, Kp, out, ld); break;
+    case Q5_K: rows_to_bf16<TraitsQ5_K>(w, N, K, Kp, out, ld); break;
+    case Q6_K: rows_to_bf16<TraitsQ6_K>(w, N, K, Kp, out, ld); break;
     default: group_rows_to_bf16<TraitsQ4_0>(w, N, K, out, ld); break;
   }
   for (int64_t n = 0; n < N && Kp > K && grouped(w.fmt); ++n) std::memset(out + n * ld + K, 0, (Kp - K) * 2);

@@ -98,6 +98,9 @@ def pick(requested: str | None, weight: Format, k) -> str:
             return "bf16"
         if int8_ok:
             return "int8"
+        if weight.block == 256:  # GGUF's K-quants
+            say_once("kquant-prefill", "compute='auto': prefill products of K-quant weights (Q4_K, Q5_K, Q6_K) "
+                     "compute in float32, each converted for the call: there are no int8 products for them yet")  # fmt: skip
         return "bf16" if weight.name == "bf16" and "avx512_bf16" in cpu_flags() else "fp32"
     if requested == "int8" and not int8_ok:
         say_once("int8-n/a", "compute='int8' applies to int8 / int4 weights with the kernels' int8 dot products "

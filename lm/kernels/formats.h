@@ -62,7 +62,7 @@ inline void prefetch_ahead(const void* p, int64_t ahead) {
   if constexpr (R >= PREFETCH_ROWS) __builtin_prefetch(static_cast<const char*>(p) + ahead, 0, 3);
 }
 
-enum Fmt : int { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3, BF16_G8 = 4 };
+enum Fmt : int { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3, BF16_G8 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7 };
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
@@ -218,6 +218,139 @@ struct TraitsBF16G8 : TraitsBF16 {
   static inline void load(const uint8_t* row, int64_t b, wvec* w) { TraitsBF16::load(row + b * block_bytes, 0, w); }
 };
 
+// GGUF's K-quants, rows as in the file (llama.cpp's block_q4_K / q5_K / q6_K; lm/formats/kquants.py
+// states the layouts): super-blocks of 256 weights along K, read here one block of 32 at a time.
+// Each weight is a product of small integers and fp16 numbers that fits float32's 24 bits exactly
+// ((d sc) q: 11 + 6 + 5 bits at most; Q6_K's (d sc) (q - 32): 11 + 7 + 6), so these floats equal
+// ggml's and the gguf package's dequantization bit for bit, fused multiply-subtract or not.
+constexpr int64_t QK_K = 256;
+
+#if defined(__AVX2__)
+// 32 small integers (int8 lanes of v) -> w[0..NB): lanes 0-15 times d0, lanes 16-31 times d1, minus m.
+inline void small_ints(__m256i v, float d0, float d1, float m, wvec* w) {
+  const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+#if defined(__AVX512F__)
+  w[0] = cvt_i8(lo) * d0 - m;
+  w[1] = cvt_i8(hi) * d1 - m;
+#else
+  w[0] = cvt_i8(lo) * d0 - m;
+  w[1] = cvt_i8(_mm_srli_si128(lo, 8)) * d0 - m;
+  w[2] = cvt_i8(hi) * d1 - m;
+  w[3] = cvt_i8(_mm_srli_si128(hi, 8)) * d1 - m;
+#endif
+}
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+#endif
+inline void small_ints(const int8_t* v, float d0, float d1, float m, wvec* w) {  // the portable twin
+  for (int j = 0; j < NB; ++j) w[j] = cvt_i8(reinterpret_cast<const uint8_t*>(v) + j * W) * (j * W < 16 ? d0 : d1) - m;
+}
+
+// Q4_K / Q5_K's 6-bit scale and min of block j (0-7) of a super-block's 12 scale bytes s.
+inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63, m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// The K-quants' `at` (a tail of K % 32 never occurs: K % 256 == 0): weight k of a row, through load.
+template <class T>
+inline float kquant_at(const uint8_t* row, int64_t k) {
+  wvec w[NB];
+  T::load(row, k / QK, w);
+  float f[QK];
+  std::memcpy(f, w, sizeof(f));
+  return f[k % QK];
+}
+
+// Q4_K, 144 bytes: d, dmin (fp16), 12 scale bytes, 128 bytes of nibbles (bytes 32c..32c+31: block 2c
+// in the low nibbles, 2c + 1 in the high). w = (d sc) q - (dmin m).
+struct TraitsQ4_K {
+  static constexpr int64_t super_bytes = 144;
+  static constexpr int64_t block_bytes = super_bytes * QK / QK_K;  // a block's share (prefetch distances)
+  static constexpr int streamed_rows = 2;
+  static constexpr int64_t prefetch_l2_bytes = 2048;
+  static inline void load(const uint8_t* row, int64_t b, wvec* w) {
+    const uint8_t* p = row + b / 8 * super_bytes;
+    const int j = int(b % 8);
+    int sc, m;
+    scale_min_k4(p + 4, j, sc, m);
+    const float d = half_to_float(p) * float(sc), min = half_to_float(p + 2) * float(m);
+    const uint8_t* q = p + 16 + j / 2 * 32;
+#if defined(__AVX2__)
+    const __m256i bytes = load32(q), low4 = _mm256_set1_epi8(15);
+    small_ints(_mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4), d, d, min, w);
+#else
+    int8_t v[QK];
+    for (int l = 0; l < QK; ++l) v[l] = int8_t((q[l] >> (4 * (j % 2))) & 15);
+    small_ints(v, d, d, min, w);
+#endif
+  }
+  static inline float at(const uint8_t* row, int64_t k) { return kquant_at<TraitsQ4_K>(row, k); }
+};
+
+// Q5_K, 176 bytes: d, dmin, 12 scale bytes, 32 bytes of fifth bits (bit j of byte l: block j's
+// weight l), 128 bytes of nibbles as Q4_K's. w = (d sc) q - (dmin m), q = nibble + 16 fifth bit.
+struct TraitsQ5_K {
+  static constexpr int64_t super_bytes = 176;
+  static constexpr int64_t block_bytes = super_bytes * QK / QK_K;
+  static constexpr int streamed_rows = 2;
+  static constexpr int64_t prefetch_l2_bytes = 2048;
+  static inline void load(const uint8_t* row, int64_t b, wvec* w) {
+    const uint8_t* p = row + b / 8 * super_bytes;
+    const int j = int(b % 8);
+    int sc, m;
+    scale_min_k4(p + 4, j, sc, m);
+    const float d = half_to_float(p) * float(sc), min = half_to_float(p + 2) * float(m);
+    const uint8_t *qh = p + 16, *q = p + 48 + j / 2 * 32;
+#if defined(__AVX2__)
+    const __m256i bytes = load32(q), low4 = _mm256_set1_epi8(15), bit = _mm256_set1_epi8(char(1 << j));
+    const __m256i nib = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
+    const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(load32(qh), bit), bit),
+                                           _mm256_set1_epi8(16));
+    small_ints(_mm256_or_si256(nib, fifth), d, d, min, w);
+#else
+    int8_t v[QK];
+    for (int l = 0; l < QK; ++l) v[l] = int8_t(((q[l] >> (4 * (j % 2))) & 15) | (((qh[l] >> j) & 1) << 4));
+    small_ints(v, d, d, min, w);
+#endif
+  }
+  static inline float at(const uint8_t* row, int64_t k) { return kquant_at<TraitsQ5_K>(row, k); }
+};
+
+// Q6_K, 210 bytes: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16
+// weights), d (fp16). In half h (128 weights), block i (0-3) has its low nibbles in bytes
+// 64h + 32 (i % 2) + l (the high nibble for i >= 2) and its top bits at bit 2i of byte 128 + 32h + l.
+// w = (d sc) (q - 32).
+struct TraitsQ6_K {
+  static constexpr int64_t super_bytes = 210;
+  static constexpr int64_t block_bytes = super_bytes * QK / QK_K;
+  static constexpr int streamed_rows = 2;
+  static constexpr int64_t prefetch_l2_bytes = 2048;
+  static inline void load(const uint8_t* row, int64_t b, wvec* w) {
+    const uint8_t* p = row + b / 8 * super_bytes;
+    const int h = int(b % 8) / 4, i = int(b % 4);
+    const uint8_t *ql = p + 64 * h + 32 * (i % 2), *qh = p + 128 + 32 * h;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192) + 8 * h + 2 * i;
+    const float d = half_to_float(p + 208), d0 = d * float(sc[0]), d1 = d * float(sc[1]);
+#if defined(__AVX2__)
+    const __m256i low4 = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3), bytes = load32(ql);
+    const __m256i nib = _mm256_and_si256(i >= 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
+    const __m256i top = _mm256_and_si256(_mm256_srl_epi16(load32(qh), _mm_cvtsi32_si128(2 * i)), three);
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_slli_epi16(top, 4)), _mm256_set1_epi8(32));
+    small_ints(q, d0, d1, 0.f, w);
+#else
+    int8_t v[QK];
+    for (int l = 0; l < QK; ++l) v[l] = int8_t((((ql[l] >> (4 * (i / 2))) & 15) | (((qh[l] >> (2 * i)) & 3) << 4)) - 32);
+    small_ints(v, d0, d1, 0.f, w);
+#endif
+  }
+  static inline float at(const uint8_t* row, int64_t k) { return kquant_at<TraitsQ6_K>(row, k); }
+};
+
+inline bool kquant(Fmt f) { return f == Q4_K || f == Q5_K || f == Q6_K; }
+
 // Prefetch for the compact formats' blocks (bf16, Q8_0, Q4_0) in products of R rows. Products that
 // are memory-bound (R <= T::streamed_rows) and have at most PREFETCH_L2_ROWS rows prefetch only
 // T::prefetch_l2_bytes ahead and into L2, with the hint QWEN35_PREFETCH_L2_HINT (2: prefetcht1, 0:
@@ -261,6 +394,9 @@ inline int64_t row_bytes(Fmt f, int64_t K) {
     case BF16:
     case BF16_G8: return K * 2;
     case Q8_0: return K / QK * TraitsQ8_0::block_bytes;
+    case Q4_K: return K / QK_K * TraitsQ4_K::super_bytes;
+    case Q5_K: return K / QK_K * TraitsQ5_K::super_bytes;
+    case Q6_K: return K / QK_K * TraitsQ6_K::super_bytes;
     default: return K / QK * TraitsQ4_0::block_bytes;
   }
 }
@@ -281,7 +417,8 @@ using Weight = std::tuple<at::Tensor, int64_t>;
 inline const at::Tensor& tensor_of(const Weight& w) { return std::get<0>(w); }
 
 inline const char* format_name(Fmt f) {
-  static const char* names[] = {"float32", "bf16", "Q8_0", "Q4_0", "bf16 (rows in groups of 8)"};
+  static const char* names[] = {"float32", "bf16", "Q8_0", "Q4_0", "bf16 (rows in groups of 8)", "Q4_K", "Q5_K",
+                                "Q6_K"};
   return names[f];
 }
 
@@ -289,12 +426,14 @@ inline const char* format_name(Fmt f) {
 // storage that format has (dtype, row size, rows in groups); a clear error naming the weight otherwise.
 inline Fmt checked_format(const at::Tensor& w, int64_t code, int64_t K, const char* name) {
   TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && w.dim() >= 2, name, " must be a contiguous CPU tensor");
-  TORCH_CHECK(code >= F32 && code <= BF16_G8, name, ": unknown weight format code ", code);
+  TORCH_CHECK(code >= F32 && code <= Q6_K, name, ": unknown weight format code ", code);
   const Fmt f = static_cast<Fmt>(code);
-  static const at::ScalarType dtypes[] = {at::kFloat, at::kBFloat16, at::kByte, at::kByte, at::kUInt16};
+  static const at::ScalarType dtypes[] = {at::kFloat, at::kBFloat16, at::kByte, at::kByte, at::kUInt16,
+                                          at::kByte,  at::kByte,     at::kByte};
   TORCH_CHECK(w.scalar_type() == dtypes[f], name, ": ", format_name(f), " weights are stored as ", dtypes[f],
               ", got ", w.scalar_type());
   TORCH_CHECK(!grouped(f) || K % QK == 0, name, ": ", format_name(f), " needs K % 32 == 0, got K = ", K);
+  TORCH_CHECK(!kquant(f) || K % QK_K == 0, name, ": ", format_name(f), " needs K % 256 == 0, got K = ", K);
   const int64_t row = row_bytes(f, K) / static_cast<int64_t>(w.element_size());
   TORCH_CHECK(w.size(-1) == row, name, ": a ", format_name(f), " row of K = ", K, " inputs holds ", row,
               " elements, got ", w.size(-1));
@@ -361,6 +500,9 @@ inline void to_float(const Rows& w, int64_t N, int64_t K, float* out) {
     case BF16: rows_to_float<TraitsBF16>(w, N, K, out); break;
     case BF16_G8: bf16_group_rows_to_float(w, N, K, out); break;
     case Q8_0: group_rows_to_float<TraitsQ8_0>(w, N, K, out); break;
+    case Q4_K: rows_to_float<TraitsQ4_K>(w, N, K, out); break;
+    case Q5_K: rows_to_float<TraitsQ5_K>(w, N, K, out); break;
+    case Q6_K: rows_to_float<TraitsQ6_K>(w, N, K, out); break;
     default: group_rows_to_float<TraitsQ4_0>(w, N, K, out); break;
   }
 }

@@ -298,9 +298,17 @@ inline void dot_group(Fmt f, const QuantizedX& x, int64_t r0, const uint8_t* gro
     dot_group_q8_0<R>(x, r0, group, y, ldy);
 }
 
-// (x's rows [x0, x0 + M): a slice of a QuantizedX holding more rows, e.g. all experts' rows.)
+}  // namespace qwen35
+
+#include "kquant_dot.h"
+
+namespace qwen35 {
+
+// (x's rows [x0, x0 + M): a slice of a QuantizedX holding more rows, e.g. all experts' rows.) K-quant
+// weights take kquant_dot.h's kernels, a row at a time.
 inline void block_i8(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y, int64_t ldy,
                      int64_t x0 = 0) {
+  if (kquant(W.fmt)) return block_kquant_i8(x, M, W, n0, n1, y, ldy, x0);
   for (int64_t n = n0; n < n1; n += RG)
     for (int64_t r0 = 0; r0 < M; r0 += 4) {
       const uint8_t* group = W.row(n);
@@ -420,7 +428,7 @@ inline void block_i8_rows(const QuantizedX& x, int64_t M, const Rows& W, int64_t
     const int64_t rows = std::min(tile, M - m0);
     int64_t n = n0;
 #if QWEN35_I8_TILES
-    for (; n + 2 * RG <= n1; n += 2 * RG) {
+    for (; !kquant(W.fmt) && n + 2 * RG <= n1; n += 2 * RG) {
       if (W.fmt == Q4_0)
         tiles_i8<TraitsQ4_0>(x, rows, W, n, y + m0 * ldy, ldy, m0);
       else
@@ -432,6 +440,8 @@ inline void block_i8_rows(const QuantizedX& x, int64_t M, const Rows& W, int64_t
 }
 
 // Whether products with W take the int8-activation path.
-inline bool int8_path(const Rows& W) { return INT8_DOT && int8_activations() && (W.fmt == Q8_0 || W.fmt == Q4_0); }
+inline bool int8_path(const Rows& W) {
+  return INT8_DOT && int8_activations() && (W.fmt == Q8_0 || W.fmt == Q4_0 || kquant(W.fmt));
+}
 
 }  // namespace qwen35

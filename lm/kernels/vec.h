@@ -453,6 +453,9 @@ inline void block(const float* x, int64_t M, int64_t ldx, const Rows& W, int64_t
     case F32: block(x, M, ldx, W.f32(), K, n0, n1, y, ldy); break;
     case BF16: block_fmt<TraitsBF16>(x, M, ldx, W, K, n0, n1, y, ldy); break;
     case BF16_G8: block_bf16_groups_rows(x, M, ldx, W, K, n0, n1, y, ldy); break;  // M >= 2 (pairs_path: 1)
+    case Q4_K: block_fmt<TraitsQ4_K>(x, M, ldx, W, K, n0, n1, y, ldy); break;  // K-quants: float32 activations
+    case Q5_K: block_fmt<TraitsQ5_K>(x, M, ldx, W, K, n0, n1, y, ldy); break;
+    case Q6_K: block_fmt<TraitsQ6_K>(x, M, ldx, W, K, n0, n1, y, ldy); break;
     default: {  // Q8_0 / Q4_0 with float32 activations (off by default): each group of 8 rows in float32 first
       thread_local std::vector<float> rows;
       rows.resize(RG * K);

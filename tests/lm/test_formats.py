@@ -9,8 +9,8 @@ import torch.nn.functional as F
 import mm
 from lm import kernels
 from lm.kernels import tuning
-from lm.formats import (BF16, BF16_G8, FP32, INT4, INT8, blocks, format_of, gather_rows, group_rows, param_format,
-                        policy, tag, to_float)
+from lm.formats import (BF16, BF16_G8, FP32, INT4, INT8, Q4_K, Q5_K, Q6_K, blocks, format_of, gather_rows, group_rows,
+                        param_format, policy, tag, to_float)
 from tests.conftest import q8_0_round, rel_err
 
 
@@ -593,3 +593,59 @@ print(json.dumps(dict(base=base, peak=peak[0], final=final, largest=largest)))
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["peak"] - r["base"] <= r["final"] + 3 * r["largest"] + 128 * 2**20, r  # margin: allocator, imports
     assert r["peak"] - r["base"] < 8 * r["final"], r  # the float32 model would add ~7x the int4 one
+
+
+@pytest.mark.parametrize("fmt", [Q4_K, Q5_K, Q6_K])
+def test_k_quant_products_equal_dequantized_matmul(kernels_on, fmt):
+    """GGUF's K-quants through the kernels' traits (formats.h), rows as in the file: the C++
+    conversion equals the Python dequantization (itself gguf's, tests/mm/test_gguf_kquants.py) bit
+    for bit; with float32 activations, decode products of 1-8 rows, several weights in one call,
+    grouped experts and the MoE decode block equal dequantize-then-matmul; prefill (more rows)
+    converts and multiplies in float32. With int8 activations (kquant_dot.h), decode products equal
+    their twin, x rounded to Q8_0 blocks times the dequantized weights."""
+    from tests.mm.test_gguf_kquants import random_blocks
+
+    rng, g = np.random.default_rng(fmt.code), torch.Generator().manual_seed(fmt.code)
+    name = fmt.name.upper()
+
+    def weight(*shape):  # rows of K = shape[-1] weights, random super-blocks of weights within ~0.1
+        n = int(np.prod(shape)) // 256
+        raw = torch.from_numpy(random_blocks(name, n, rng, scale=0.1)).reshape(*shape[:-1], -1)
+        return raw, fmt
+
+    kernels.set_int8_activations(False)
+    w = weight(40, 512)
+    wf = fmt.dequantize(w[0], 512)
+    assert torch.equal(kernels.to_float(w, 512), wf) and wf.abs().max() > 0
+    for rows in (1, 2, 3, 5, 8, 3 * kernels.MAX_ROWS):
+        x = torch.randn(rows, 512, generator=g)
+        assert rel_err(kernels.linear(x, w), x @ wf.T) < 1e-5, rows
+    x = torch.randn(3, 512, generator=g)
+    v = weight(16, 512)
+    ys = kernels.multi_linear(x, [w, v])
+    assert rel_err(ys[0], x @ wf.T) < 1e-5 and rel_err(ys[1], x @ fmt.dequantize(v[0], 512).T) < 1e-5
+    experts = weight(4, 24, 256)
+    ef = fmt.dequantize(experts[0], 256)
+    xs = torch.randn(5, 256, generator=g)
+    ref = torch.cat([xs[0:2] @ ef[1].T, xs[2:5] @ ef[3].T])
+    assert rel_err(kernels.grouped_linear(xs, experts, [1, 3], [2, 3]), ref) < 1e-5
+    E, K, H, I, Is = 4, 2, 256, 256, 256
+    router = torch.randn(E, H, generator=g) * 0.2
+    gate_up, down, shared = weight(E, 2 * I, H), weight(E, H, I), [weight(Is, H), weight(Is, H), weight(H, Is)]
+    gate = torch.randn(H, generator=g) * 0.2
+    x = torch.randn(3, H, generator=g)
+    floats = [(fmt.dequantize(t, t.shape[-1] // fmt.block_bytes * 256), FP32) for t, _ in (gate_up, down, *shared)]
+    ours = kernels.moe_decode(x, router, gate_up, down, K, *shared, gate)
+    twin = kernels.moe_decode(x, router, floats[0], floats[1], K, *floats[2:], gate)
+    assert rel_err(ours, twin) < 1e-5
+    if not kernels.compiled().INT8_DOT:
+        return
+    kernels.set_int8_activations(True)
+    for rows in (1, 2, 3, 5, 8):
+        x = torch.randn(rows, 512, generator=g)
+        y = kernels.linear(x, w)
+        assert rel_err(y, q8_0_round(x) @ wf.T) < 1e-5, rows
+        assert 1e-4 < rel_err(y, x @ wf.T) < 2e-2, rows  # the rounding is real
+    x = torch.randn(3, H, generator=g)
+    ours = kernels.moe_decode(x, router, gate_up, down, K, *shared, gate)
+    assert 1e-5 < rel_err(ours, kernels.moe_decode(x, router, floats[0], floats[1], K, *floats[2:], gate)) < 2e-2

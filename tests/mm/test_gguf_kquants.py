@@ -1,6 +1,7 @@
-"""GGUF K-quants: dequantization bit for bit as `gguf.quants.dequantize`, and files holding Q4_K /
-Q5_K / Q6_K / Q8_K matrices (as a Q4_K_M file mixes them) loaded, converted to our formats, and
-said so, against the same model from a float32 file holding the dequantized values."""
+"""GGUF K-quants: dequantization bit for bit as `gguf.quants.dequantize`, the kernels' products of
+Q4_K / Q5_K / Q6_K weights, and files holding Q4_K / Q5_K / Q6_K / Q8_K matrices (as a Q4_K_M file
+mixes them) loaded (the first three as they are, Q8_K converted, said so), against the same model
+from a float32 file holding the dequantized values."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ import pytest
 import torch
 
 import mm
-from lm import WeightError
-from lm.formats import FP32, INT4, INT8, format_of, param_format, to_float
+from lm import WeightError, kernels
+from lm.formats import FP32, INT4, INT8, Q4_K, Q5_K, Q6_K, param_format, to_float
 from lm.gguf_kquants import BLOCK_BYTES, QK_K, dequantize
 from lm.gguf_names import param_name
 from lm.gguf_read import GGUFFile
 from mm.gguf_loading import gguf_config
 from mm.model import VLModel
 from tests.conftest import rel_err
+from tests.lm.test_formats import _decode_logits
 from tests.mm.test_gguf import FIXTURES, ids, rewrite
 
 Q = gguf.GGMLQuantizationType
@@ -187,41 +189,61 @@ def test_the_fixture_mixes_the_k_quants(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_a_k_quant_file_is_converted_at_load_and_says_so_once(kind, tmp_path_factory, capsys):
-    """Q4_K -> int4, Q5_K / Q6_K / Q8_K -> int8, the embedding and the small matrices fp32: each
-    weight is our quantizer's output for the dequantized values, and the logits those of the
-    float32 twin holding the converted weights."""
+def test_a_k_quant_file_keeps_its_k_quants_and_converts_the_rest_saying_so_once(kind, tmp_path_factory, capsys):
+    """Q4_K / Q5_K / Q6_K matrices keep their bits (formats Q4_K / Q5_K / Q6_K, which the kernels read
+    in place): they dequantize to the file's values bit for bit, in Python and in C++. Q8_K -> int8,
+    and a K-quant out_proj whose super-blocks the V-head reorder would split -> int4 / int8 (our
+    quantizer on its values), the embedding and the small matrices fp32, said once. The logits
+    equal those of the float32 twin holding the same values: prefill, decode rows, and the decode
+    steps of a left-padded batch."""
     kq, twin = files(kind, tmp_path_factory)
     capsys.readouterr()
     model = mm.load_model(kq, compute="fp32")
     err = capsys.readouterr().err
     assert err.count("converted at load") == 1, err
-    assert "this file's Q4_K / Q5_K / Q6_K / Q8_K tensors are converted at load (no K-quant kernels yet)" in err
-    assert "Q4_K -> fp32 (" in err and "int4 (" in err and "Q6_K -> int8 (" in err and "Q8_K -> int8 (1)" in err
+    assert "Q4_K -> fp32 (" in err and "Q8_K -> int8 (1)" in err and "kept as they are" in err
     reference = mm.load_model(twin, compute="fp32")
     floats, params = dict(reference.lm.named_parameters()), dict(model.lm.named_parameters())
-    expect = {"model.layers.1.self_attn.q_proj.weight": INT4,  # Q4_K
-              "model.layers.1.self_attn.v_proj.weight": INT8, "lm_head.weight": INT8,  # Q6_K
+    expect = {"model.layers.1.self_attn.q_proj.weight": Q4_K,
+              "model.layers.1.self_attn.v_proj.weight": Q6_K, "lm_head.weight": Q6_K,
               "model.layers.1.self_attn.k_proj.weight": INT8,  # Q8_K
-              "model.layers.0.linear_attn.in_proj_qkv.weight": INT8,  # Q5_K
+              "model.layers.0.linear_attn.in_proj_qkv.weight": Q5_K,
               "model.embed_tokens.weight": FP32,  # Q4_K, rows gathered
               "model.layers.0.linear_attn.in_proj_a.weight": FP32}  # Q4_K, a small matrix (compute dtype)
     for name, fmt in expect.items():
-        assert param_format(model.lm, name) is fmt is format_of(params[name], floats[name].shape[-1]), name
+        assert param_format(model.lm, name) is fmt, name
+    # the V-head reorder moves out_proj's columns by whole value heads, of fewer than 256 weights here:
+    # its super-blocks would split
+    assert model.config.text.linear_value_head_dim % 256
+    assert param_format(model.lm, "model.layers.0.linear_attn.out_proj.weight") in (INT4, INT8)
+    kept = 0
     for name, p in model.lm.named_parameters():
-        f = floats[name]
-        if p.dtype == torch.float32:
+        f, fmt = floats[name], param_format(model.lm, name)
+        if fmt is FP32:
             assert torch.equal(p, f), name
-            continue
-        fmt = param_format(model.lm, name)
-        assert torch.equal(p, fmt.quantize(f)), name  # our quantizer on the dequantized values
-        bound = 1 / 7 if fmt is INT4 else 1 / 254 + 1 / 2048  # half a step, d in fp16 (int4: -max clamps to 7 d)
-        assert rel_err(to_float(p, f.shape[-1], fmt), f) <= bound, name
+        elif fmt in (Q4_K, Q5_K, Q6_K):
+            kept += 1
+            assert torch.equal(to_float(p, f.shape[-1], fmt), f), name
+            assert torch.equal(kernels.to_float((p, fmt), f.shape[-1]), f), name  # formats.h, bit for bit
+        else:
+            assert torch.equal(p, fmt.quantize(f)), name  # our quantizer on the dequantized values
+            bound = 1 / 7 if fmt is INT4 else 1 / 254 + 1 / 2048  # half a step, d in fp16 (int4: -max clamps to 7 d)
+            assert rel_err(to_float(p, f.shape[-1], fmt), f) <= bound, name
+    assert kept >= 4
     with torch.no_grad():
         for name, p in reference.lm.named_parameters():
             p.copy_(to_float(params[name], p.shape[-1], param_format(model.lm, name)))
     x = ids()
-    assert rel_err(model(x), reference(x)) <= 1e-5
+    assert rel_err(model(x), reference(x)) <= 1e-5  # prefill (26 rows)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    kernels.set_int8_activations(False)  # the int8 / int4 weights' decode rows with float32 x (K-quants: always)
+    try:
+        assert rel_err(model(x[:, :3]), reference(x[:, :3])) <= 1e-5  # decode rows (6): the products' kernels
+        steps = x[:, :12]
+        assert rel_err(_decode_logits(model, steps, mask, 4), _decode_logits(reference, steps, mask, 4)) <= 1e-5
+    finally:
+        kernels.set_int8_activations(True)
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
@@ -230,7 +252,7 @@ def test_weights_fp32_loads_a_k_quant_file_exactly(kind, tmp_path_factory, capsy
     capsys.readouterr()
     model, reference = mm.load_model(kq, weights="fp32", compute="fp32"), mm.load_model(twin, compute="fp32")
     err = capsys.readouterr().err
-    assert err.count("converted at load") == 1 and "Q6_K -> fp32 (" in err and "int4" not in err and "int8" not in err
+    assert err.count("converted at load") == 1 and "Q6_K -> fp32 (" in err and "int4 (" not in err and "int8 (" not in err
     for (name, p), (_, r) in zip(model.lm.named_parameters(), reference.lm.named_parameters(), strict=True):
         assert p.dtype == torch.float32 and torch.equal(p, r), name
     x = ids()
