@@ -93,9 +93,9 @@ def load_gguf_model(path: str | Path, *, device: str | torch.device = "cpu", dty
                     mmproj: str | Path | None = None) -> VLModel:
     """A `VLModel` from a GGUF file (see `mm.load_model`), with the vision tower of the `mmproj`
     file, else text-only (said once). `weights="auto"` keeps each LM tensor's own format where ours
-    can hold it: Q8_0 -> int8, Q4_0 -> int4 (the same bits, rows regrouped), BF16 -> bf16, F32 / F16
-    -> fp32, and the K-quants (no kernels yet) converted at load: Q4_K -> int4, Q5_K / Q6_K / Q8_K
-    -> int8 (lm.gguf_names.plan, lm.gguf_kquants.STORED_AS; said once); the tower's matrices as
+    can hold it: Q8_0 -> int8, Q4_0 -> int4 (the same bits, rows regrouped), Q4_K / Q5_K / Q6_K as
+    they are, BF16 -> bf16, F32 / F16 -> fp32, Q8_K converted at load to int8 (lm.gguf_names.plan,
+    lm.gguf_kquants.STORED_AS; said once); the tower's matrices as
     lm.formats.policy.vision_dtype says for a bf16 (BF16 file) or float32 (other types) checkpoint."""
     from .loading import allocate, default_dtype, set_compute
 

@@ -54,8 +54,9 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
 
     A `.gguf` file (llama.cpp's qwen35 / qwen35moe; or a directory holding one, see
     mm.gguf_loading.model_gguf) loads through mm.gguf_loading, with the vision tower of its `mmproj`
-    file (or the one `mmproj*.gguf` beside it in that directory), else text-only; K-quant tensors
-    are converted at load (lm/gguf_kquants.py), and `dequantize_unsupported` lets it dequantize the
+    file (or the one `mmproj*.gguf` beside it in that directory), else text-only; Q4_K / Q5_K / Q6_K
+    tensors keep their bits, Q8_K ones are converted at load (lm/gguf_kquants.py), and
+    `dequantize_unsupported` lets it dequantize the
     tensor types we neither store nor convert (IQ*, TQ*, ...).
 
     `speculative="mtp"` also loads the checkpoint's multi-token-prediction layer (`mtp.*`, lm/mtp.py;
