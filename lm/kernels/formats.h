@@ -264,6 +264,30 @@ inline float kquant_at(const uint8_t* row, int64_t k) {
   return f[k % QK];
 }
 
+// The K-quants' `load`: block b of a row -> w[0..NB), from the format's quants of block j of a
+// super-block (`quants`: 32 small integers) and its scales (`block_scales`: lanes 0-15 times d0,
+// 16-31 times d1, minus m). The integer kernels (kquant_dot.h) read the same quants.
+template <class T>
+inline void kquant_load(const uint8_t* row, int64_t b, wvec* w) {
+  const uint8_t* p = row + b / 8 * T::super_bytes;
+  const int j = int(b % 8);
+  float d0, d1, m;
+  T::block_scales(p, j, d0, d1, m);
+#if defined(__AVX2__)
+  small_ints(T::quants(p, j), d0, d1, m, w);
+#else
+  int8_t v[QK];
+  T::quants(p, j, v);
+  small_ints(v, d0, d1, m, w);
+#endif
+}
+
+#if defined(__AVX2__)
+inline __m256i nibbles(__m256i bytes, bool high) {  // the low or the high nibble of each of 32 bytes
+  return _mm256_and_si256(high ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(15));
+}
+#endif
+
 // Q4_K, 144 bytes: d, dmin (fp16), 12 scale bytes, 128 bytes of nibbles (bytes 32c..32c+31: block 2c
 // in the low nibbles, 2c + 1 in the high). w = (d sc) q - (dmin m).
 struct TraitsQ4_K {
@@ -271,81 +295,75 @@ struct TraitsQ4_K {
   static constexpr int64_t block_bytes = super_bytes * QK / QK_K;  // a block's share (prefetch distances)
   static constexpr int streamed_rows = 2;
   static constexpr int64_t prefetch_l2_bytes = 2048;
-  static inline void load(const uint8_t* row, int64_t b, wvec* w) {
-    const uint8_t* p = row + b / 8 * super_bytes;
-    const int j = int(b % 8);
-    int sc, m;
-    scale_min_k4(p + 4, j, sc, m);
-    const float d = half_to_float(p) * float(sc), min = half_to_float(p + 2) * float(m);
-    const uint8_t* q = p + 16 + j / 2 * 32;
-#if defined(__AVX2__)
-    const __m256i bytes = load32(q), low4 = _mm256_set1_epi8(15);
-    small_ints(_mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4), d, d, min, w);
-#else
-    int8_t v[QK];
-    for (int l = 0; l < QK; ++l) v[l] = int8_t((q[l] >> (4 * (j % 2))) & 15);
-    small_ints(v, d, d, min, w);
-#endif
+  static constexpr bool has_min = true;
+  static inline void block_scales(const uint8_t* p, int j, float& d0, float& d1, float& m) {
+    int sc, mn;
+    scale_min_k4(p + 4, j, sc, mn);
+    d0 = d1 = half_to_float(p) * float(sc), m = half_to_float(p + 2) * float(mn);
   }
+#if defined(__AVX2__)
+  static inline __m256i quants(const uint8_t* p, int j) { return nibbles(load32(p + 16 + j / 2 * 32), j % 2); }
+#else
+  static inline void quants(const uint8_t* p, int j, int8_t* v) {
+    for (int l = 0; l < QK; ++l) v[l] = int8_t((p[16 + j / 2 * 32 + l] >> (4 * (j % 2))) & 15);
+  }
+#endif
+  static inline void load(const uint8_t* row, int64_t b, wvec* w) { kquant_load<TraitsQ4_K>(row, b, w); }
   static inline float at(const uint8_t* row, int64_t k) { return kquant_at<TraitsQ4_K>(row, k); }
 };
 
 // Q5_K, 176 bytes: d, dmin, 12 scale bytes, 32 bytes of fifth bits (bit j of byte l: block j's
 // weight l), 128 bytes of nibbles as Q4_K's. w = (d sc) q - (dmin m), q = nibble + 16 fifth bit.
-struct TraitsQ5_K {
+struct TraitsQ5_K : TraitsQ4_K {
   static constexpr int64_t super_bytes = 176;
   static constexpr int64_t block_bytes = super_bytes * QK / QK_K;
-  static constexpr int streamed_rows = 2;
-  static constexpr int64_t prefetch_l2_bytes = 2048;
-  static inline void load(const uint8_t* row, int64_t b, wvec* w) {
-    const uint8_t* p = row + b / 8 * super_bytes;
-    const int j = int(b % 8);
-    int sc, m;
-    scale_min_k4(p + 4, j, sc, m);
-    const float d = half_to_float(p) * float(sc), min = half_to_float(p + 2) * float(m);
-    const uint8_t *qh = p + 16, *q = p + 48 + j / 2 * 32;
 #if defined(__AVX2__)
-    const __m256i bytes = load32(q), low4 = _mm256_set1_epi8(15), bit = _mm256_set1_epi8(char(1 << j));
-    const __m256i nib = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
-    const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(load32(qh), bit), bit),
-                                           _mm256_set1_epi8(16));
-    small_ints(_mm256_or_si256(nib, fifth), d, d, min, w);
-#else
-    int8_t v[QK];
-    for (int l = 0; l < QK; ++l) v[l] = int8_t(((q[l] >> (4 * (j % 2))) & 15) | (((qh[l] >> j) & 1) << 4));
-    small_ints(v, d, d, min, w);
-#endif
+  static inline __m256i quants(const uint8_t* p, int j) {
+    const __m256i bit = _mm256_set1_epi8(char(1 << j));
+    const __m256i fifth = _mm256_cmpeq_epi8(_mm256_and_si256(load32(p + 16), bit), bit);
+    return _mm256_or_si256(nibbles(load32(p + 48 + j / 2 * 32), j % 2), _mm256_and_si256(fifth, _mm256_set1_epi8(16)));
   }
+#else
+  static inline void quants(const uint8_t* p, int j, int8_t* v) {
+    const uint8_t *qh = p + 16, *q = p + 48 + j / 2 * 32;
+    for (int l = 0; l < QK; ++l) v[l] = int8_t(((q[l] >> (4 * (j % 2))) & 15) | (((qh[l] >> j) & 1) << 4));
+  }
+#endif
+  static inline void load(const uint8_t* row, int64_t b, wvec* w) { kquant_load<TraitsQ5_K>(row, b, w); }
   static inline float at(const uint8_t* row, int64_t k) { return kquant_at<TraitsQ5_K>(row, k); }
 };
 
 // Q6_K, 210 bytes: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16
 // weights), d (fp16). In half h (128 weights), block i (0-3) has its low nibbles in bytes
 // 64h + 32 (i % 2) + l (the high nibble for i >= 2) and its top bits at bit 2i of byte 128 + 32h + l.
-// w = (d sc) (q - 32).
+// w = (d sc) (q - 32); `quants` gives q - 32.
 struct TraitsQ6_K {
   static constexpr int64_t super_bytes = 210;
   static constexpr int64_t block_bytes = super_bytes * QK / QK_K;
   static constexpr int streamed_rows = 2;
   static constexpr int64_t prefetch_l2_bytes = 2048;
-  static inline void load(const uint8_t* row, int64_t b, wvec* w) {
-    const uint8_t* p = row + b / 8 * super_bytes;
-    const int h = int(b % 8) / 4, i = int(b % 4);
-    const uint8_t *ql = p + 64 * h + 32 * (i % 2), *qh = p + 128 + 32 * h;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192) + 8 * h + 2 * i;
-    const float d = half_to_float(p + 208), d0 = d * float(sc[0]), d1 = d * float(sc[1]);
-#if defined(__AVX2__)
-    const __m256i low4 = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3), bytes = load32(ql);
-    const __m256i nib = _mm256_and_si256(i >= 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
-    const __m256i top = _mm256_and_si256(_mm256_srl_epi16(load32(qh), _mm_cvtsi32_si128(2 * i)), three);
-    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_slli_epi16(top, 4)), _mm256_set1_epi8(32));
-    small_ints(q, d0, d1, 0.f, w);
-#else
-    int8_t v[QK];
-    for (int l = 0; l < QK; ++l) v[l] = int8_t((((ql[l] >> (4 * (i / 2))) & 15) | (((qh[l] >> (2 * i)) & 3) << 4)) - 32);
-    small_ints(v, d0, d1, 0.f, w);
-#endif
+  static constexpr bool has_min = false;
+  static inline void block_scales(const uint8_t* p, int j, float& d0, float& d1, float& m) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192) + 2 * j;  // 8 (j / 4) + 2 (j % 4)
+    const float d = half_to_float(p + 208);
+    d0 = d * float(sc[0]), d1 = d * float(sc[1]), m = 0.f;
   }
+#if defined(__AVX2__)
+  static inline __m256i quants(const uint8_t* p, int j) {
+    const int h = j / 4, i = j % 4;
+    const __m256i nib = nibbles(load32(p + 64 * h + 32 * (i % 2)), i >= 2);
+    const __m256i top = _mm256_and_si256(_mm256_srl_epi16(load32(p + 128 + 32 * h), _mm_cvtsi32_si128(2 * i)),
+                                         _mm256_set1_epi8(3));
+    return _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_slli_epi16(top, 4)), _mm256_set1_epi8(32));
+  }
+#else
+  static inline void quants(const uint8_t* p, int j, int8_t* v) {
+    const int h = j / 4, i = j % 4;
+    const uint8_t *ql = p + 64 * h + 32 * (i % 2), *qh = p + 128 + 32 * h;
+    for (int l = 0; l < QK; ++l) v[l] = int8_t((((ql[l] >> (4 * (i / 2))) & 15) | (((qh[l] >> (2 * i)) & 3) << 4)) - 32);
+  }
+#endif
+  static inline void load(const uint8_t* row, int64_t b, wvec* w) { kquant_load<TraitsQ6_K>(row, b, w); }
   static inline float at(const uint8_t* row, int64_t k) { return kquant_at<TraitsQ6_K>(row, k); }
 };
 

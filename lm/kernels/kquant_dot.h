@@ -42,62 +42,35 @@ inline __m256 bytes_to_floats(const uint8_t* p) {  // 8 unsigned bytes
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// Per format: the quants of block j of the super-block at p (`quants`) and their integer dots with 32
-// of x's quants (`dot`, 8 int32 lanes of 4 weights each).
-struct I8Q4_K {
-  static constexpr int64_t super_bytes = TraitsQ4_K::super_bytes;
-  static constexpr bool has_min = true;  // w = (d sc) q - (dmin m)
-  static inline __m256i quants(const uint8_t* p, int j) {
-    const __m256i bytes = load32(p + 16 + j / 2 * 32);
-    return _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(15));
-  }
-  static inline __m256i dot(__m256i q, __m256i xq) { return dot_u8_s8(q, xq); }
-  // the 8 blocks' scales d sc and mins dmin m
-  static inline void scales(const uint8_t* p, __m256& sc, __m256& mins) {
-    alignas(16) uint8_t sm[16];
-    scales_mins_k4(p + 4, sm);
-    sc = _mm256_mul_ps(bytes_to_floats(sm), _mm256_set1_ps(half_to_float(p)));
-    mins = _mm256_mul_ps(bytes_to_floats(sm + 8), _mm256_set1_ps(half_to_float(p + 2)));
-  }
-};
+// The integer dots of a block's quants q (formats.h: T::quants) with 32 of x's quants: 8 int32 lanes
+// of 4 weights each. Q6_K's q - 32 are signed: |q| times xq with q's sign (vpmaddubsw's unsigned operand).
+template <class T>
+inline __m256i block_dot(__m256i q, __m256i xq) {
+  if constexpr (T::has_min) return dot_u8_s8(q, xq);
+  return dot_u8_s8(_mm256_abs_epi8(q), _mm256_sign_epi8(xq, q));
+}
 
-struct I8Q5_K : I8Q4_K {
-  static constexpr int64_t super_bytes = TraitsQ5_K::super_bytes;
-  static inline __m256i quants(const uint8_t* p, int j) {
-    const __m256i bytes = load32(p + 48 + j / 2 * 32), bit = _mm256_set1_epi8(char(1 << j));
-    const __m256i nib = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(15));
-    const __m256i fifth = _mm256_cmpeq_epi8(_mm256_and_si256(load32(p + 16), bit), bit);
-    return _mm256_or_si256(nib, _mm256_and_si256(fifth, _mm256_set1_epi8(16)));
-  }
-};
+// Q4_K / Q5_K: a super-block's 8 scales d sc and 8 mins dmin m.
+inline void k4_scales(const uint8_t* p, __m256& sc, __m256& mins) {
+  alignas(16) uint8_t sm[16];
+  scales_mins_k4(p + 4, sm);
+  sc = _mm256_mul_ps(bytes_to_floats(sm), _mm256_set1_ps(half_to_float(p)));
+  mins = _mm256_mul_ps(bytes_to_floats(sm + 8), _mm256_set1_ps(half_to_float(p + 2)));
+}
 
-struct I8Q6_K {
-  static constexpr int64_t super_bytes = TraitsQ6_K::super_bytes;
-  static constexpr bool has_min = false;  // w = (d sc) (q - 32), a scale per 16 weights
-  static inline __m256i quants(const uint8_t* p, int j) {  // q - 32, signed
-    const int h = j / 4, i = j % 4;
-    const __m256i bytes = load32(p + 64 * h + 32 * (i % 2));
-    const __m256i nib = _mm256_and_si256(i >= 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(15));
-    const __m256i top = _mm256_and_si256(_mm256_srl_epi16(load32(p + 128 + 32 * h), _mm_cvtsi32_si128(2 * i)),
-                                         _mm256_set1_epi8(3));
-    return _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_slli_epi16(top, 4)), _mm256_set1_epi8(32));
-  }
-  static inline __m256i dot(__m256i q, __m256i xq) {  // |q| times xq with q's sign: vpmaddubsw's unsigned operand
-    return dot_u8_s8(_mm256_abs_epi8(q), _mm256_sign_epi8(xq, q));
-  }
-  // the super-block's 16 scales d sc: blocks 0-3's in sc16[0], 4-7's in sc16[1] (two a block)
-  static inline void scales(const uint8_t* p, __m256* sc16) {
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
-    const __m256 d = _mm256_set1_ps(half_to_float(p + 208));
-    sc16[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
-    sc16[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
-  }
-  // block j's dots' lane scales: lanes 0-3 (its first 16 weights) scale 2j, lanes 4-7 scale 2j + 1
-  static inline __m256 lanes(const __m256* sc16, int j) {
-    const int a = 2 * (j % 4);
-    return _mm256_permutevar8x32_ps(sc16[j / 4], _mm256_setr_epi32(a, a, a, a, a + 1, a + 1, a + 1, a + 1));
-  }
-};
+// Q6_K: a super-block's 16 scales d sc, blocks 0-3's in sc16[0], 4-7's in sc16[1] (two a block).
+inline void q6_scales(const uint8_t* p, __m256* sc16) {
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
+  const __m256 d = _mm256_set1_ps(half_to_float(p + 208));
+  sc16[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
+  sc16[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
+}
+
+// Q6_K block j's lane scales: lanes 0-3 (its first 16 weights) scale 2j, lanes 4-7 scale 2j + 1.
+inline __m256 q6_lanes(const __m256* sc16, int j) {
+  const int a = 2 * (j % 4);
+  return _mm256_permutevar8x32_ps(sc16[j / 4], _mm256_setr_epi32(a, a, a, a, a + 1, a + 1, a + 1, a + 1));
+}
 
 // y[r * ldy] = weight row w . x[r0 + r] for r < R (x's rows in Q8_0 blocks). Per super-block and row
 // of x, the 8 blocks' float factors (weight scale times x's) and the mins' share in one vector each;
@@ -113,7 +86,7 @@ inline void kquant_dot(const QuantizedX& x, int64_t r0, const uint8_t* w, float*
     __m256 sc16[2];  // Q6_K's scales
     if constexpr (T::has_min) {
       __m256 sc, mins;
-      T::scales(p, sc, mins);
+      k4_scales(p, sc, mins);
       for (int r = 0; r < R; ++r) {
         const int64_t xb = (r0 + r) * nb + s * 8;
         const __m256 dx = _mm256_loadu_ps(x.d.data() + xb);
@@ -122,18 +95,18 @@ inline void kquant_dot(const QuantizedX& x, int64_t r0, const uint8_t* w, float*
         low[r] = _mm256_fmadd_ps(mins, _mm256_mul_ps(dx, _mm256_cvtepi32_ps(sum8)), low[r]);  // 8 sum(xq)
       }
     } else {
-      T::scales(p, sc16);
+      q6_scales(p, sc16);
       for (int r = 0; r < R; ++r) _mm256_store_ps(f[r], _mm256_loadu_ps(x.d.data() + (r0 + r) * nb + s * 8));
     }
     for (int j = 0; j < 8; ++j) {
       const __m256i q = T::quants(p, j);
       __m256 lanes = _mm256_setzero_ps();
-      if constexpr (!T::has_min) lanes = T::lanes(sc16, j);
+      if constexpr (!T::has_min) lanes = q6_lanes(sc16, j);
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = x.q.data() + ((r0 + r) * nb + s * 8 + j) * QK;
         __m256 factor = _mm256_broadcast_ss(&f[r][j]);
         if constexpr (!T::has_min) factor = _mm256_mul_ps(lanes, factor);
-        const __m256i dots = T::dot(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
+        const __m256i dots = block_dot<T>(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), factor, acc[r]);
       }
     }
@@ -160,9 +133,9 @@ inline void kquant_rows(const QuantizedX& x, int64_t M, const Rows& W, int64_t n
 inline void block_kquant_i8(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y,
                             int64_t ldy, int64_t x0) {
   switch (W.fmt) {
-    case Q4_K: kquant_rows<I8Q4_K>(x, M, W, n0, n1, y, ldy, x0); break;
-    case Q5_K: kquant_rows<I8Q5_K>(x, M, W, n0, n1, y, ldy, x0); break;
-    default: kquant_rows<I8Q6_K>(x, M, W, n0, n1, y, ldy, x0); break;
+    case Q4_K: kquant_rows<TraitsQ4_K>(x, M, W, n0, n1, y, ldy, x0); break;
+    case Q5_K: kquant_rows<TraitsQ5_K>(x, M, W, n0, n1, y, ldy, x0); break;
+    default: kquant_rows<TraitsQ6_K>(x, M, W, n0, n1, y, ldy, x0); break;
   }
 }
 
