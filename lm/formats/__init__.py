@@ -26,9 +26,10 @@ bf16 matrix on the reference paths.
 A weight's format is a tag its layer holds (`tag`, given at load by lm.weights.use_formats; read
 with `format_in`; an untagged weight is float32 or bf16 rows, as its dtype says), and every product
 hands it to the C++ kernels with the weight (`Format.code`): they check the storage against it and
-never infer a format from bytes. `to_float(w, k, fmt)` gives the float32 matrix (reference paths). GGUF's blocks were chosen so
-the quantizers can be checked bit for bit against the `gguf` package (tests/lm/test_formats.py) and
-the error compared with llama.cpp's at the same width (bench/formats.py).
+never infer a format from bytes. `to_float(w, k, fmt)` gives the float32 matrix (reference paths).
+GGUF's blocks were chosen so the quantizers can be checked bit for bit against the `gguf` package
+(tests/lm/test_formats.py) and the error compared with llama.cpp's at the same width
+(bench/formats.py).
 """
 
 from __future__ import annotations
