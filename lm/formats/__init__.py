@@ -172,8 +172,9 @@ def gather_rows(w: torch.Tensor, ids: torch.Tensor, fmt: Format | None = None) -
 
 
 def format_of(w: torch.Tensor, k: int) -> Format:
-    """The format weight storage `w` [..., row] whose rows hold k inputs can only be, among the formats
-    above (a check for tests and tools; the model's layers hold their weights' formats, `format_in`)."""
+    """The format weight storage `w` [..., row] whose rows hold k inputs can only be among fp32, bf16
+    (rows or groups), int8 and int4 (a check for tests and tools). K-quant storage is not told apart
+    (Q4_K rows are as long as int4's): the model's layers hold their weights' formats (`format_in`)."""
     if w.dtype == torch.float32 or w.dtype == torch.bfloat16:
         if w.shape[-1] != k:
             raise ValueError(f"a {w.dtype} weight with rows of {w.shape[-1]} cannot take {k} inputs")
