@@ -245,13 +245,19 @@ inline void small_ints(const int8_t* v, float d0, float d1, float m, wvec* w) { 
   for (int j = 0; j < NB; ++j) w[j] = cvt_i8(reinterpret_cast<const uint8_t*>(v) + j * W) * (j * W < 16 ? d0 : d1) - m;
 }
 
-// Q4_K / Q5_K's 6-bit scale and min of block j (0-7) of a super-block's 12 scale bytes s.
-inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
-  if (j < 4) {
-    sc = s[j] & 63, m = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
+// Q4_K / Q5_K's 12 scale bytes -> 16 bytes: the 8 blocks' 6-bit scales, then their 8 mins. Blocks 0-3
+// have both in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); blocks 4-7 their low 4 bits in
+// bytes 8-11 (scales low nibble, mins high) and their top 2 bits in the top bits of bytes 0-3 / 4-7.
+// Four blocks per 32-bit word.
+inline void scales_mins_k4(const uint8_t* s, uint8_t* out) {
+  uint32_t u[3], o[4];
+  std::memcpy(u, s, 12);
+  constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  o[0] = u[0] & low6;                                         // scales 0-3
+  o[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);         // scales 4-7
+  o[2] = u[1] & low6;                                         // mins 0-3
+  o[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);  // mins 4-7
+  std::memcpy(out, o, 16);
 }
 
 // The K-quants' `at` (a tail of K % 32 never occurs: K % 256 == 0): weight k of a row, through load.
@@ -297,9 +303,9 @@ struct TraitsQ4_K {
   static constexpr int64_t prefetch_l2_bytes = 2048;
   static constexpr bool has_min = true;
   static inline void block_scales(const uint8_t* p, int j, float& d0, float& d1, float& m) {
-    int sc, mn;
-    scale_min_k4(p + 4, j, sc, mn);
-    d0 = d1 = half_to_float(p) * float(sc), m = half_to_float(p + 2) * float(mn);
+    uint8_t sm[16];
+    scales_mins_k4(p + 4, sm);
+    d0 = d1 = half_to_float(p) * float(sm[j]), m = half_to_float(p + 2) * float(sm[8 + j]);
   }
 #if defined(__AVX2__)
   static inline __m256i quants(const uint8_t* p, int j) { return nibbles(load32(p + 16 + j / 2 * 32), j % 2); }

@@ -25,19 +25,6 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-// Q4_K / Q5_K's 12 scale bytes -> 16 bytes: the 8 blocks' 6-bit scales, then their 8 mins (the
-// unpacking of scale_min_k4, formats.h, four blocks per 32-bit word).
-inline void scales_mins_k4(const uint8_t* s, uint8_t* out) {
-  uint32_t u[3], o[4];
-  std::memcpy(u, s, 12);
-  constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
-  o[0] = u[0] & low6;                                   // scales 0-3
-  o[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);   // scales 4-7
-  o[2] = u[1] & low6;                                   // mins 0-3
-  o[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);  // mins 4-7
-  std::memcpy(out, o, 16);
-}
-
 inline __m256 bytes_to_floats(const uint8_t* p) {  // 8 unsigned bytes
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -53,7 +40,7 @@ inline __m256i block_dot(__m256i q, __m256i xq) {
 // Q4_K / Q5_K: a super-block's 8 scales d sc and 8 mins dmin m.
 inline void k4_scales(const uint8_t* p, __m256& sc, __m256& mins) {
   alignas(16) uint8_t sm[16];
-  scales_mins_k4(p + 4, sm);
+  scales_mins_k4(p + 4, sm);  // formats.h
   sc = _mm256_mul_ps(bytes_to_floats(sm), _mm256_set1_ps(half_to_float(p)));
   mins = _mm256_mul_ps(bytes_to_floats(sm + 8), _mm256_set1_ps(half_to_float(p + 2)));
 }
