@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from ..formats import FP32, INT4, Format
+from ..formats import FP32, INT4, KQUANTS, Format
 
 CHOICES = ("auto", "fp32", "bf16", "int8")
 _said: set[str] = set()
@@ -98,7 +98,7 @@ def pick(requested: str | None, weight: Format, k) -> str:
             return "bf16"
         if int8_ok:
             return "int8"
-        if weight.block == 256:  # GGUF's K-quants
+        if weight in KQUANTS.values():
             say_once("kquant-prefill", "compute='auto': prefill products of K-quant weights (Q4_K, Q5_K, Q6_K) "
                      "compute in float32, each converted for the call: there are no int8 products for them yet")  # fmt: skip
         return "bf16" if weight.name == "bf16" and "avx512_bf16" in cpu_flags() else "fp32"
