@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import mm
 from lm import kernels
-from lm.formats import BF16, BF16_G8, FP32, INT4, INT8, Format, to_float
+from lm.formats import BF16, BF16_G8, FP32, INT4, INT8, Q4_K, Q5_K, Q6_K, Format, to_float
 from lm.kernels import compute
 from tests.conftest import q8_0_round, rel_err
 
@@ -243,3 +243,14 @@ def test_a_failed_start_up_check_keeps_auto_off_the_tiles(monkeypatch, capsys):
     assert compute.pick("auto", BF16, k) != "bf16"
     if k is not None and k.amx_ready():
         assert "failed their start-up check" in capsys.readouterr().err
+
+
+def test_k_quant_prefill_says_once_that_it_computes_in_float32(monkeypatch, capsys):
+    """compute='auto' has no int8 products for K-quant weights: float32 (bf16 on AMX tiles), said once."""
+    k = kernels.compiled()
+    monkeypatch.setattr(compute, "_said", set())
+    picked = {compute.pick("auto", fmt, k) for fmt in (Q4_K, Q5_K, Q6_K)}
+    assert picked == {"bf16" if compute.tiles(k) else "fp32"}
+    err = capsys.readouterr().err
+    if not compute.tiles(k):
+        assert err.count("prefill products of K-quant weights (Q4_K, Q5_K, Q6_K) compute in float32") == 1, err
