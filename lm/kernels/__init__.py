@@ -233,7 +233,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
         # Q8_0 / Q4_0 weights in prefill: integer products, no float32 copy, on AMX tiles where there
         # are some (amx_linear.cpp), else the int8 dot products (int8_dot.h)
         k = _kernels()
-        product = k.amx_int8_linear if int8_on_tiles(compute, k) else k.int8_linear
+        product = k.amx_int8_linear if int8_on_tiles(compute, k, fmt) else k.int8_linear
         y = product(x.reshape(rows, x.shape[-1]).contiguous(), _arg(weight, fmt))
     elif how == "bf16":
         y = bf16_linear(x.reshape(rows, x.shape[-1]), (weight, fmt))
@@ -302,7 +302,7 @@ def expert_mlp(x: torch.Tensor, gate_up: Weight, down: Weight, counts: torch.Ten
                  "without them it computes in float32")  # fmt: skip
         how = "fp32"
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).long()
-    code = {"fp32": 0, "bf16": 1, "int8": 3 if int8_on_tiles(compute, k) else 2}[how]
+    code = {"fp32": 0, "bf16": 1, "int8": 3 if int8_on_tiles(compute, k, gate_up_fmt) else 2}[how]
     return k.expert_mlp(x.contiguous(), _arg(gate_up, gate_up_fmt), _arg(down, down_fmt), offsets, token,
                         weight.float().contiguous(), code)
 

@@ -6,12 +6,13 @@ front end), held by each layer (`Linear.compute`, `Experts.compute`) and resolve
     fp32   float32 GEMMs; compact weights converted to float32 first (the exact reference path)
     bf16   x and W rounded to bf16, products summed in float32: on AMX tiles (amx_linear.cpp, every
            weight format, converted in L2-sized panels, never whole), else torch's bf16 GEMM
-    int8   x rounded to Q8_0 blocks, integer products with Q8_0 / Q4_0 weights as they lie: on
-           AMX-INT8 tiles where the CPU has them (amx_linear.cpp), else the int8 dot products
-           (int8_dot.h; while kernels.int8_activations is on); weights in other formats take float32
+    int8   x rounded to Q8_0 blocks, integer products with Q8_0 / Q4_0 / K-quant weights as they
+           lie: Q8_0 / Q4_0 on AMX-INT8 tiles where the CPU has them (amx_linear.cpp), else the
+           int8 dot products (int8_dot.h, kquant_dot.h; while kernels.int8_activations is on);
+           weights in other formats take float32
     auto   float32 weights: fp32 (exact); other formats: bf16 where the CPU has AMX-BF16 tiles
-           (bench/ttft.py measures it against the float32 path), else int8 for Q8_0 / Q4_0 weights,
-           and for bf16 ones bf16 where the CPU has AVX512-BF16 (torch's bf16 GEMM), else fp32
+           (bench/ttft.py measures it against the float32 path), else int8 for Q8_0 / Q4_0 /
+           K-quant weights, and for bf16 ones bf16 where the CPU has AVX512-BF16 (torch's bf16 GEMM), else fp32
 
 A gated attention layer's prefill follows its projections: under bf16 or int8 compute, bf16
 queries, keys and values with float32 softmax and sums (bf16_attention.cpp on CPUs with AVX512-BF16
@@ -88,7 +89,7 @@ def pick(requested: str | None, weight: Format, k) -> str:
     products ran before the option: int8 for Q8_0 / Q4_0 weights while int8 activations are on,
     float32 otherwise) for a weight stored in format `weight` (lm/formats), `k` the kernels' module
     (or None)."""
-    int8_ok = weight.name in ("int8", "int4") and k is not None and bool(k.INT8_DOT) and k.int8_activations()
+    int8_ok = int8_format(weight) and k is not None and bool(k.INT8_DOT) and k.int8_activations()
     if requested is None:
         return "int8" if int8_ok else "fp32"
     if requested == "auto":
@@ -98,12 +99,9 @@ def pick(requested: str | None, weight: Format, k) -> str:
             return "bf16"
         if int8_ok:
             return "int8"
-        if weight in KQUANTS.values():
-            say_once("kquant-prefill", "compute='auto': prefill products of K-quant weights (Q4_K, Q5_K, Q6_K) "
-                     "compute in float32, each converted for the call: there are no int8 products for them yet")  # fmt: skip
         return "bf16" if weight.name == "bf16" and "avx512_bf16" in cpu_flags() else "fp32"
     if requested == "int8" and not int8_ok:
-        say_once("int8-n/a", "compute='int8' applies to int8 / int4 weights with the kernels' int8 dot products "
+        say_once("int8-n/a", "compute='int8' applies to int8 / int4 / K-quant weights with the kernels' int8 dot products "
                   "on; other products compute in float32")  # fmt: skip
         return "fp32"
     if requested == "bf16" and not tiles(k) and "avx512_bf16" not in cpu_flags():
@@ -112,11 +110,18 @@ def pick(requested: str | None, weight: Format, k) -> str:
     return check(requested)
 
 
-def int8_on_tiles(requested: str | None, k) -> bool:
-    """Whether an int8 product takes AMX tiles (amx_linear.cpp) rather than the int8 dot products: when
-    the CPU has them and the layer asked for a compute format (without one, prefill keeps the dot
-    products, whose rows equal the decode products' bit for bit)."""
-    return requested is not None and tiles(k)
+def int8_format(weight: Format) -> bool:
+    """Whether products with weights of this format have an int8 path: Q8_0 / Q4_0 (int8_dot.h) and
+    the K-quants (kquant_dot.h)."""
+    return weight.name in ("int8", "int4") or weight in KQUANTS.values()
+
+
+def int8_on_tiles(requested: str | None, k, weight: Format) -> bool:
+    """Whether an int8 product takes AMX tiles (amx_linear.cpp) rather than the int8 dot products: for
+    Q8_0 / Q4_0 weights when the CPU has them and the layer asked for a compute format (without one,
+    prefill keeps the dot products, whose rows equal the decode products' bit for bit). K-quant
+    weights always take the dot products."""
+    return requested is not None and weight.name in ("int8", "int4") and tiles(k)
 
 
 def say_once(key: str, text: str) -> None:

@@ -245,12 +245,14 @@ def test_a_failed_start_up_check_keeps_auto_off_the_tiles(monkeypatch, capsys):
         assert "failed their start-up check" in capsys.readouterr().err
 
 
-def test_k_quant_prefill_says_once_that_it_computes_in_float32(monkeypatch, capsys):
-    """compute='auto' has no int8 products for K-quant weights: float32 (bf16 on AMX tiles), said once."""
+def test_k_quant_prefill_takes_the_int8_products(monkeypatch, capsys):
+    """compute='auto' gives K-quant weights (Q4_K, Q5_K, Q6_K) the int8 products of decode where the
+    kernels have them (kquant_dot.h: 2x the float32 conversion and GEMM on AVX-512 and AVX2; bf16 on
+    AMX tiles, as for every compact format there), float32 without them, and says nothing."""
     k = kernels.compiled()
     monkeypatch.setattr(compute, "_said", set())
     picked = {compute.pick("auto", fmt, k) for fmt in (Q4_K, Q5_K, Q6_K)}
-    assert picked == {"bf16" if compute.tiles(k) else "fp32"}
-    err = capsys.readouterr().err
-    if not compute.tiles(k):
-        assert err.count("prefill products of K-quant weights (Q4_K, Q5_K, Q6_K) compute in float32") == 1, err
+    int8 = k is not None and bool(k.INT8_DOT) and k.int8_activations()
+    assert picked == {"bf16" if compute.tiles(k) else "int8" if int8 else "fp32"}
+    assert not compute.int8_on_tiles("int8", k, Q4_K)  # the AMX int8 tiles take Q8_0 / Q4_0 only
+    assert capsys.readouterr().err == ""
