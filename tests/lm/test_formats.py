@@ -670,4 +670,6 @@ def test_k_quant_products_equal_dequantized_matmul(kernels_on, fmt):
         for e, c in zip(top.indices[n].tolist(), chosen[n].tolist()):
             h = q8_0_round(x[n]) @ gu[e].T
             twin[n] += c * (q8_0_round(F.silu(h[:I]) * h[I:]) @ dn[e].T)
-    assert rel_err(y, twin) < 1e-5
+    # the activations' Q8_0 rounding may differ by one step where the twin's float32 h differs from
+    # the kernel's in its last bits (~1/127 of a block's largest activation, times one weight)
+    assert rel_err(y, twin) < 1e-3
