@@ -145,7 +145,9 @@ def plan(lm: nn.Module, file: GGUFFile, weights: str, groups: bool) -> dict[str,
     -> fp32. A K-quant tensor whose super-blocks the V-head reorder splits is converted as
     gguf_kquants.STORED_AS says (Q4_K -> int4, Q5_K / Q6_K -> int8). A block tensor that does not fit
     our storage (rows % 8, K % 32; K % 256 for the K-quants) or whose columns the V-head reorder
-    splits is kept in float32 (bf16 where the spec named the format, as policy.plan does), said once."""
+    splits is kept in float32 (bf16 where the spec named the format, as policy.plan does), said once.
+    A tied head (no output.weight) takes token_embd's format as the head's own (two copies: the
+    table's rows are gathered, so it is converted, while the head streams the file's blocks)."""
     parts = policy.parse(weights)
     n = lm.config.num_hidden_layers
     source = {}
@@ -153,6 +155,10 @@ def plan(lm: nn.Module, file: GGUFFile, weights: str, groups: bool) -> dict[str,
         name = param_name(g, n)
         if name is not None:
             source[name] = g
+    if lm.config.tie_word_embeddings and "model.embed_tokens.weight" in source:
+        # the head multiplies the table's blocks as the file holds them; the table itself, whose rows
+        # are gathered, is converted (two copies, as a tied checkpoint under weights=int4)
+        source["lm_head.weight"] = source["model.embed_tokens.weight"]
     formats, floats = {}, []
     for name, p in lm.named_parameters(remove_duplicate=False):
         part = policy.part_of(name)

@@ -417,20 +417,14 @@ inline void tiles_i8(const QuantizedX& x, int64_t M, const Rows& W, int64_t n, f
 #define QWEN35_I8_TILES 0
 #endif
 
-}  // namespace qwen35
-
-#include "kquant_tiles.h"
-
-namespace qwen35 {
-
 // block_i8 for many rows of x (prefill): x's rows in tiles of at most 64 KiB of quants, so that a
 // tile stays in L2 while the weight groups of [n0, n1) are read against it (each group from L1 for
 // all of the tile's rows); in the 512-bit tiles above where the build has them. Each row's y is the
 // same bit for bit as in a product of that row alone (K-quant rows in panels of 16: to float32 rounding).
 inline void block_i8_rows(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y,
                           int64_t ldy) {
-#if QWEN35_I8_TILES
-  if (kquant(W.fmt)) n0 = kquant_panels(x, M, W, n0, n1, y, ldy);  // kquant_tiles.h; the rows left below
+#if QWEN35_KQUANT_TILES
+  if (kquant(W.fmt)) n0 = kquant_panels(x, M, W, n0, n1, y, ldy);  // all rows of x at once (kquant_tiles.h)
 #endif
   const int64_t tile = std::max<int64_t>(4, (int64_t(64) << 10) / std::max<int64_t>(x.K, 1) / 4 * 4);
   for (int64_t m0 = 0; m0 < M; m0 += tile) {

@@ -116,7 +116,14 @@ inline void kquant_rows(const QuantizedX& x, int64_t M, const Rows& W, int64_t n
     }
 }
 
-// Rows [0, M) of quantized x (its rows [x0, x0 + M)) times weight rows [n0, n1) of a K-quant weight.
+}  // namespace qwen35
+
+#include "kquant_tiles.h"
+
+namespace qwen35 {
+
+// Rows [0, M) of quantized x (its rows [x0, x0 + M)) times weight rows [n0, n1) of a K-quant weight, a
+// row at a time (decode; prefill takes the panels of kquant_tiles.h first: int8_dot.h, block_i8_rows).
 inline void block_kquant_i8(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y,
                             int64_t ldy, int64_t x0) {
   switch (W.fmt) {

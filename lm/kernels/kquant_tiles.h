@@ -1,7 +1,8 @@
-// Prefill products of K-quant weights (Q4_K, Q5_K, Q6_K) on AVX-512 VNNI builds: 16 weight rows by
-// up to TILE_ROWS rows of x in 512-bit registers, as int8_dot.h's tiles do for Q8_0 / Q4_0. The rows
-// stay in the file's layout; each task first unpacks its 16 rows into a panel (L2-sized, reused by
-// every row of x), block by block:
+// Prefill products of K-quant weights (Q4_K, Q5_K, Q6_K) with 8 or more rows of x on AVX-512 VNNI
+// builds: 16 weight rows by up to 8 rows of x in 512-bit registers, as int8_dot.h's tiles do for
+// Q8_0 / Q4_0. The rows stay in the file's layout; each task first unpacks its 16 rows into a panel
+// (L2-sized, reused by every row of x), block by block (decode batches keep kquant_dot.h: there a
+// panel costs more than 8 rows of x gain from it, B8 0.6x):
 //   q     8 chunks of 64 bytes, chunk c holding weights 4c..4c+3 of each of the 16 rows (lane l: row l)
 //   s0    16 floats: the scale of the block's first 16 weights (d sc; Q4_K / Q5_K: of all 32)
 //   s1    16 floats: Q6_K: the scale of its last 16 weights; Q4_K / Q5_K: the min (dmin m)
@@ -16,10 +17,18 @@
 
 namespace qwen35 {
 
-#if QWEN35_I8_TILES
+#if QWEN35_VNNI && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QWEN35_KQUANT_TILES 1
 constexpr int64_t KQ_LANES = 16;
+constexpr int KQ_TILE_ROWS = 8;  // rows of x a tile holds in registers
 constexpr int64_t KQ_BLOCK = 8 * 64 + 64 + 64 + 128;  // a panel block: q, s0, s1, w16
 constexpr int64_t KQ_MIN_ROWS = 8;  // fewer rows of x take kquant_dot.h (the unpacking would not pay)
+
+inline __m512i kq_x_quad(const int8_t* p) {  // 4 quants of x in every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
 
 // Rows [n, n + 16) of W (K inputs) -> panel (K / 32 blocks of KQ_BLOCK bytes).
 template <class T>
@@ -76,7 +85,7 @@ inline void kquant_tile(const QuantizedX& x, int64_t r0, const uint8_t* panel, f
         const __m512i w = _mm512_loadu_si512(blk + 64 * c);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          const __m512i xv = x_quad(xb + r * K + 4 * c);
+          const __m512i xv = kq_x_quad(xb + r * K + 4 * c);
           dot[r] = six ? _mm512_dpbusd_epi32(dot[r], _mm512_xor_si512(xv, flip), w) : _mm512_dpbusd_epi32(dot[r], w, xv);
         }
       }
@@ -94,37 +103,38 @@ inline void kquant_tile(const QuantizedX& x, int64_t r0, const uint8_t* panel, f
 
 template <class T>
 inline void kquant_tiles(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y,
-                         int64_t ldy) {
+                         int64_t ldy, int64_t x0) {
   thread_local std::vector<uint8_t> panel;
   panel.resize(x.K / QK * KQ_BLOCK);
   for (int64_t n = n0; n < n1; n += KQ_LANES) {
     kquant_panel<T>(W, n, x.K, panel.data());
-    for (int64_t r0 = 0; r0 < M; r0 += TILE_ROWS) {
+    for (int64_t r0 = 0; r0 < M; r0 += KQ_TILE_ROWS) {
       float* yr = y + r0 * ldy + n;
-      switch (std::min<int64_t>(TILE_ROWS, M - r0)) {
-        case 1: kquant_tile<T, 1>(x, r0, panel.data(), yr, ldy); break;
-        case 2: kquant_tile<T, 2>(x, r0, panel.data(), yr, ldy); break;
-        case 3: kquant_tile<T, 3>(x, r0, panel.data(), yr, ldy); break;
-        case 4: kquant_tile<T, 4>(x, r0, panel.data(), yr, ldy); break;
-        case 5: kquant_tile<T, 5>(x, r0, panel.data(), yr, ldy); break;
-        case 6: kquant_tile<T, 6>(x, r0, panel.data(), yr, ldy); break;
-        case 7: kquant_tile<T, 7>(x, r0, panel.data(), yr, ldy); break;
-        default: kquant_tile<T, 8>(x, r0, panel.data(), yr, ldy); break;
+      switch (std::min<int64_t>(KQ_TILE_ROWS, M - r0)) {
+        case 1: kquant_tile<T, 1>(x, x0 + r0, panel.data(), yr, ldy); break;
+        case 2: kquant_tile<T, 2>(x, x0 + r0, panel.data(), yr, ldy); break;
+        case 3: kquant_tile<T, 3>(x, x0 + r0, panel.data(), yr, ldy); break;
+        case 4: kquant_tile<T, 4>(x, x0 + r0, panel.data(), yr, ldy); break;
+        case 5: kquant_tile<T, 5>(x, x0 + r0, panel.data(), yr, ldy); break;
+        case 6: kquant_tile<T, 6>(x, x0 + r0, panel.data(), yr, ldy); break;
+        case 7: kquant_tile<T, 7>(x, x0 + r0, panel.data(), yr, ldy); break;
+        default: kquant_tile<T, 8>(x, x0 + r0, panel.data(), yr, ldy); break;
       }
     }
   }
 }
 
-// Rows [0, M) of x times weight rows [n0, n1) of a K-quant W, whole panels of 16 rows; returns the
-// first row left for kquant_dot.h (n1 when none).
+// Rows [0, M) of x (its rows [x0, x0 + M)) times weight rows [n0, n1) of a K-quant W, in whole panels
+// of 16 rows when there are at least KQ_MIN_ROWS rows of x; returns the first weight row left for
+// kquant_dot.h (n1 when none).
 inline int64_t kquant_panels(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y,
-                             int64_t ldy) {
+                             int64_t ldy, int64_t x0 = 0) {
   const int64_t end = n0 + (n1 - n0) / KQ_LANES * KQ_LANES;
   if (M < KQ_MIN_ROWS || end == n0) return n0;
   switch (W.fmt) {
-    case Q4_K: kquant_tiles<TraitsQ4_K>(x, M, W, n0, end, y, ldy); break;
-    case Q5_K: kquant_tiles<TraitsQ5_K>(x, M, W, n0, end, y, ldy); break;
-    default: kquant_tiles<TraitsQ6_K>(x, M, W, n0, end, y, ldy); break;
+    case Q4_K: kquant_tiles<TraitsQ4_K>(x, M, W, n0, end, y, ldy, x0); break;
+    case Q5_K: kquant_tiles<TraitsQ5_K>(x, M, W, n0, end, y, ldy, x0); break;
+    default: kquant_tiles<TraitsQ6_K>(x, M, W, n0, end, y, ldy, x0); break;
   }
   return end;
 }

@@ -133,6 +133,23 @@ def test_quantized_files_equal_the_model_holding_their_dequantized_weights(kind,
     assert rel_err(model(x), held(input_ids=x).logits.detach()) <= 1e-5
 
 
+def test_a_tied_file_multiplies_its_head_in_the_files_blocks(tmp_path):
+    """A file without output.weight ties the head to token_embd: the head keeps the table's Q8_0
+    blocks (what decode streams), the table itself, whose rows are gathered, becomes their exact
+    float32; the logits equal those of the file loaded all in float32 (one table for both)."""
+    path = rewrite(FIXTURES / "dense-q8_0.gguf", tmp_path / "tied.gguf", drop=("output.weight",))
+    model = mm.load_model(path, compute="fp32")
+    lm = model.lm
+    assert lm.config.tie_word_embeddings and param_format(lm, "lm_head.weight").name == "int8"
+    assert param_format(lm, "model.embed_tokens.weight").name == "fp32"
+    table = lm.model.embed_tokens.weight
+    assert torch.equal(to_float(lm.lm_head.weight, table.shape[1], param_format(lm, "lm_head.weight")), table)
+    floats = mm.load_model(path, weights="fp32", compute="fp32")
+    assert floats.lm.lm_head.weight is floats.lm.model.embed_tokens.weight
+    x = ids()
+    assert rel_err(model(x), floats(x)) <= 1e-5
+
+
 def test_q8_0_blocks_are_the_files_bits(tmp_path):
     """int8 weights hold the file's Q8_0 blocks as they are (rows regrouped by 8), no float round trip."""
     from lm.formats import blocks
