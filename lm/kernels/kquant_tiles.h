@@ -1,12 +1,13 @@
-// Prefill products of K-quant weights (Q4_K, Q5_K, Q6_K) with 8 or more rows of x on AVX-512 VNNI
-// builds: 16 weight rows by up to 8 rows of x in 512-bit registers, as int8_dot.h's tiles do for
-// Q8_0 / Q4_0. The rows stay in the file's layout; each task first unpacks its 16 rows into a panel
-// (L2-sized, reused by every row of x), block by block (decode batches keep kquant_dot.h: there a
-// panel costs more than 8 rows of x gain from it, B8 0.6x):
-//   q     8 chunks of 64 bytes, chunk c holding weights 4c..4c+3 of each of the 16 rows (lane l: row l)
-//   s0    16 floats: the scale of the block's first 16 weights (d sc; Q4_K / Q5_K: of all 32)
-//   s1    16 floats: Q6_K: the scale of its last 16 weights; Q4_K / Q5_K: the min (dmin m)
-//   w16   32 int32: Q6_K only, -128 times the sum of each half's quants (q - 32)
+// Prefill products of K-quant weights (Q4_K, Q5_K, Q6_K) with 8 or more rows of x: KQ_LANES weight
+// rows (16 in 512-bit registers on AVX-512 VNNI builds, 8 in 256-bit ones on AVX2) by up to
+// KQ_TILE_ROWS rows of x (8 / 4), as int8_dot.h's tiles do for Q8_0 / Q4_0. The rows stay in the
+// file's layout; each task first unpacks its weight rows into a panel (L2-sized, reused by every row
+// of x), block by block (decode batches keep kquant_dot.h: there a panel costs more than 8 rows of x
+// gain from it, B8 0.6x):
+//   q     8 chunks of 4 KQ_LANES bytes, chunk c holding weights 4c..4c+3 of each row (lane l: row l)
+//   s0    KQ_LANES floats: the scale of the block's first 16 weights (d sc; Q4_K / Q5_K: of all 32)
+//   s1    KQ_LANES floats: Q6_K: the scale of its last 16 weights; Q4_K / Q5_K: the min (dmin m)
+//   w16   2 KQ_LANES int32: Q6_K only, -128 times the sum of each half's quants (q - 32)
 // With x in Q8_0 blocks (dx, quants xq, their sum S):
 //   Q4_K, Q5_K  y = sum_b dx_b (s0 (q . xq) - s1 S_b)            q in 0..31, xq signed: vpdpbusd
 //   Q6_K        y = sum_b dx_b sum_h s_h ((q - 32) . xq)_h       xq + 128 unsigned, q - 32 signed:
@@ -17,25 +18,34 @@
 
 namespace qwen35 {
 
-#if QWEN35_VNNI && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX2__)
 #define QWEN35_KQUANT_TILES 1
-constexpr int64_t KQ_LANES = 16;
+#if QWEN35_VNNI && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KQ_WIDE 1
+constexpr int64_t KQ_LANES = 16;  // weight rows of a panel: the lanes of a 512-bit register
 constexpr int KQ_TILE_ROWS = 8;  // rows of x a tile holds in registers
-constexpr int64_t KQ_BLOCK = 8 * 64 + 64 + 64 + 128;  // a panel block: q, s0, s1, w16
+#else
+#define KQ_WIDE 0
+constexpr int64_t KQ_LANES = 8;  // 256-bit registers (AVX2, AVX-VNNI)
+constexpr int KQ_TILE_ROWS = 4;
+#endif
+constexpr int64_t KQ_Q = 32 * KQ_LANES;  // a panel block: 8 chunks of quants, then s0, s1, w16
+constexpr int64_t KQ_BLOCK = KQ_Q + 16 * KQ_LANES;
 constexpr int64_t KQ_MIN_ROWS = 8;  // fewer rows of x take kquant_dot.h (the unpacking would not pay)
 
-inline __m512i kq_x_quad(const int8_t* p) {  // 4 quants of x in every lane
+inline int32_t kq_x_quad(const int8_t* p) {  // 4 quants of x as one 32-bit word
   int32_t v;
   std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
+  return v;
 }
 
-// Rows [n, n + 16) of W (K inputs) -> panel (K / 32 blocks of KQ_BLOCK bytes).
+// Rows [n, n + KQ_LANES) of W (K inputs) -> panel (K / 32 blocks of KQ_BLOCK bytes).
 template <class T>
 inline void kquant_panel(const Rows& W, int64_t n, int64_t K, uint8_t* panel) {
   constexpr bool six = !T::has_min;
+  constexpr int64_t L = KQ_LANES;
   const int64_t nb = K / QK;
-  for (int64_t l = 0; l < KQ_LANES; ++l) {
+  for (int64_t l = 0; l < L; ++l) {
     const uint8_t* row = W.row(n + l);
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = row + b / 8 * T::super_bytes;
@@ -43,22 +53,23 @@ inline void kquant_panel(const Rows& W, int64_t n, int64_t K, uint8_t* panel) {
       alignas(32) int8_t q[QK];
       _mm256_store_si256(reinterpret_cast<__m256i*>(q), T::quants(p, j));  // Q6_K: q - 32
       uint8_t* blk = panel + b * KQ_BLOCK;
-      for (int c = 0; c < 8; ++c) std::memcpy(blk + c * 64 + l * 4, q + 4 * c, 4);
+      for (int c = 0; c < 8; ++c) std::memcpy(blk + c * 4 * L + l * 4, q + 4 * c, 4);
       float d0, d1, m;
       T::block_scales(p, j, d0, d1, m);
-      float* s = reinterpret_cast<float*>(blk + 512);
+      float* s = reinterpret_cast<float*>(blk + KQ_Q);
       s[l] = d0;
-      s[16 + l] = six ? d1 : m;
+      s[L + l] = six ? d1 : m;
       if constexpr (six) {
-        int32_t* w16 = reinterpret_cast<int32_t*>(blk + 640);
+        int32_t* w16 = reinterpret_cast<int32_t*>(blk + KQ_Q + 8 * L);
         int32_t lo = 0, hi = 0;
         for (int i = 0; i < 16; ++i) lo += q[i], hi += q[16 + i];
-        w16[l] = -128 * lo, w16[16 + l] = -128 * hi;
+        w16[l] = -128 * lo, w16[L + l] = -128 * hi;
       }
     }
   }
 }
 
+#if KQ_WIDE
 // y[r * ldy + l] = weight row l of the panel . x[r0 + r], r < R.
 template <class T, int R>
 inline void kquant_tile(const QuantizedX& x, int64_t r0, const uint8_t* panel, float* y, int64_t ldy) {
@@ -72,12 +83,12 @@ inline void kquant_tile(const QuantizedX& x, int64_t r0, const uint8_t* panel, f
   for (int r = 0; r < R; ++r) acc[r] = low[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = panel + b * KQ_BLOCK;
-    const float* s = reinterpret_cast<const float*>(blk + 512);
+    const float* s = reinterpret_cast<const float*>(blk + KQ_Q);
     const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
     const int8_t* xb = xq + b * QK;
     for (int h = 0; h < (six ? 2 : 1); ++h) {  // Q6_K: each half with its scale
       __m512i dot[R];
-      const __m512i init = six ? _mm512_loadu_si512(blk + 640 + 64 * h) : _mm512_setzero_si512();
+      const __m512i init = six ? _mm512_loadu_si512(blk + KQ_Q + 128 + 64 * h) : _mm512_setzero_si512();
       for (int r = 0; r < R; ++r) dot[r] = init;
       constexpr int chunks = six ? 4 : 8;
 #pragma GCC unroll 8
@@ -85,7 +96,7 @@ inline void kquant_tile(const QuantizedX& x, int64_t r0, const uint8_t* panel, f
         const __m512i w = _mm512_loadu_si512(blk + 64 * c);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          const __m512i xv = kq_x_quad(xb + r * K + 4 * c);
+          const __m512i xv = _mm512_set1_epi32(kq_x_quad(xb + r * K + 4 * c));
           dot[r] = six ? _mm512_dpbusd_epi32(dot[r], _mm512_xor_si512(xv, flip), w) : _mm512_dpbusd_epi32(dot[r], w, xv);
         }
       }
@@ -101,6 +112,71 @@ inline void kquant_tile(const QuantizedX& x, int64_t r0, const uint8_t* panel, f
     _mm512_storeu_ps(y + r * ldy, six ? acc[r] : _mm512_fnmadd_ps(low[r], _mm512_set1_ps(0.125f), acc[r]));
 }
 
+#else
+// The 256-bit tile: 8 weight rows by up to 4 rows of x. Without VNNI, vpmaddubsw's int16 pair sums
+// add up over G chunks before vpmaddwd widens them (|sum| <= 2 G max|q| 255 < 2^15: Q4_K G = 4,
+// Q5_K 2, Q6_K 2 with x + 128 up to 255 and |q - 32| <= 32); the same integer dots either way.
+template <class T, int R>
+inline void kquant_tile(const QuantizedX& x, int64_t r0, const uint8_t* panel, float* y, int64_t ldy) {
+  constexpr bool six = !T::has_min;
+  constexpr int G = std::is_same_v<T, TraitsQ4_K> ? 4 : 2;  // chunks summed in int16 (no VNNI)
+  const int64_t K = x.K, nb = K / QK;
+  const int8_t* xq = x.q.data() + r0 * K;
+  const float* xd = x.d.data() + r0 * nb;
+  const int32_t* xs = x.sum8.data() + r0 * nb;
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+  __m256 acc[R], low[R];
+  for (int r = 0; r < R; ++r) acc[r] = low[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = panel + b * KQ_BLOCK;
+    const float* s = reinterpret_cast<const float*>(blk + KQ_Q);
+    const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+    const int8_t* xb = xq + b * QK;
+    for (int h = 0; h < (six ? 2 : 1); ++h) {  // Q6_K: each half with its scale
+      __m256i dot[R];
+      const __m256i init = six ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + KQ_Q + 64 + 32 * h))
+                               : _mm256_setzero_si256();
+      for (int r = 0; r < R; ++r) dot[r] = init;
+      constexpr int chunks = six ? 4 : 8;
+#if QWEN35_VNNI
+#pragma GCC unroll 8
+      for (int c = h * chunks; c < (h + 1) * chunks; ++c) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * c));
+        for (int r = 0; r < R; ++r) {
+          const __m256i xv = _mm256_set1_epi32(kq_x_quad(xb + r * K + 4 * c));
+          dot[r] = six ? dpbusd(dot[r], _mm256_xor_si256(xv, flip), w) : dpbusd(dot[r], w, xv);
+        }
+      }
+#else
+      const __m256i ones = _mm256_set1_epi16(1);
+      for (int c0 = h * chunks; c0 < (h + 1) * chunks; c0 += G) {
+        __m256i p16[R];
+        for (int r = 0; r < R; ++r) p16[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int c = c0; c < c0 + G; ++c) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * c));
+          for (int r = 0; r < R; ++r) {
+            const __m256i xv = _mm256_set1_epi32(kq_x_quad(xb + r * K + 4 * c));
+            p16[r] = _mm256_add_epi16(p16[r], six ? _mm256_maddubs_epi16(_mm256_xor_si256(xv, flip), w)
+                                                  : _mm256_maddubs_epi16(w, xv));
+          }
+        }
+        for (int r = 0; r < R; ++r) dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(p16[r], ones));
+      }
+#endif
+      const __m256 scale = six && h == 1 ? s1 : s0;
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(scale, _mm256_set1_ps(xd[r * nb + b])), acc[r]);
+    }
+    if constexpr (!six)  // the mins: dmin m times sum(xq) dx (sum8 holds 8 sum(xq))
+      for (int r = 0; r < R; ++r)
+        low[r] = _mm256_fmadd_ps(s1, _mm256_set1_ps(xd[r * nb + b] * float(xs[r * nb + b])), low[r]);
+  }
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_ps(y + r * ldy, six ? acc[r] : _mm256_fnmadd_ps(low[r], _mm256_set1_ps(0.125f), acc[r]));
+}
+#endif
+
 template <class T>
 inline void kquant_tiles(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y,
                          int64_t ldy, int64_t x0) {
@@ -114,11 +190,15 @@ inline void kquant_tiles(const QuantizedX& x, int64_t M, const Rows& W, int64_t 
         case 1: kquant_tile<T, 1>(x, x0 + r0, panel.data(), yr, ldy); break;
         case 2: kquant_tile<T, 2>(x, x0 + r0, panel.data(), yr, ldy); break;
         case 3: kquant_tile<T, 3>(x, x0 + r0, panel.data(), yr, ldy); break;
+#if KQ_WIDE
         case 4: kquant_tile<T, 4>(x, x0 + r0, panel.data(), yr, ldy); break;
         case 5: kquant_tile<T, 5>(x, x0 + r0, panel.data(), yr, ldy); break;
         case 6: kquant_tile<T, 6>(x, x0 + r0, panel.data(), yr, ldy); break;
         case 7: kquant_tile<T, 7>(x, x0 + r0, panel.data(), yr, ldy); break;
         default: kquant_tile<T, 8>(x, x0 + r0, panel.data(), yr, ldy); break;
+#else
+        default: kquant_tile<T, 4>(x, x0 + r0, panel.data(), yr, ldy); break;
+#endif
       }
     }
   }
