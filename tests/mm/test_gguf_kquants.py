@@ -15,7 +15,7 @@ import torch
 
 import mm
 from lm import WeightError, kernels
-from lm.formats import FP32, INT4, INT8, Q4_K, Q5_K, Q6_K, param_format, to_float
+from lm.formats import FP32, INT4, INT8, Q4_K, Q5_K, Q6_K, param_format, stored, to_float
 from lm.gguf_kquants import BLOCK_BYTES, QK_K, dequantize
 from lm.gguf_names import param_name
 from lm.gguf_read import GGUFFile
@@ -244,6 +244,20 @@ def test_a_k_quant_file_keeps_its_k_quants_and_converts_the_rest_saying_so_once(
         assert rel_err(_decode_logits(model, steps, mask, 4), _decode_logits(reference, steps, mask, 4)) <= 1e-5
     finally:
         kernels.set_int8_activations(True)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_k_quant_prefill_in_int8_is_within_the_int8_bound(kind, tmp_path_factory):
+    """Under compute='int8' the K-quant matrices' prefill products take the int8 kernels (panels of
+    kquant_tiles.h for 8 rows of x and more): the logits within 3% of their range from float32
+    compute on the same weights (tests/lm/test_compute.py's bound), and not equal to them."""
+    kq, _ = files(kind, tmp_path_factory)
+    exact, int8 = mm.load_model(kq, compute="fp32"), mm.load_model(kq, compute="int8")
+    head = int8.lm.lm_head
+    assert kernels.prefill_compute(head.compute, stored(head), torch.zeros(26, 256)) == "int8"
+    x = ids()
+    ref = exact(x)
+    assert 1e-5 < rel_err(int8(x), ref) < 0.03
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
