@@ -9,7 +9,8 @@ proportions with the real vocabulary, bf16). Prints:
    another, with the batch-1 step's share of its bandwidth limit (weight bytes per step / measured
    read bandwidth);
 2. the decode latency (time between tokens) of 4 running streams before and while a 2,048-token
-   prompt is prefilled, for step budgets of 64, 128 (the default) and 256 tokens;
+   prompt is prefilled, for step budgets of 64, 128 (the default) and 256 tokens, and that prompt's
+   prefill rate against its rate with nothing beside it;
 3. time to first token of turn 2 of a chat whose turn 1 had a ~1,000-token image prompt, with and
    without the prefix cache (the model gets a vision tower of Qwen3.5-0.8B's size, random weights,
    built in memory, and the default model's tokenizer);
@@ -83,8 +84,15 @@ def batching(model, engine_of, quick: bool) -> None:
 
 def interference(engine_of, quick: bool) -> None:
     print("\n2. decode latency of 4 running streams while a 2,048-token prompt is prefilled")
-    print("   step budget | between tokens before | during the prefill: median, max | prefill tok/s")
+    print("   step budget | between tokens before | during the prefill: median (x before), max | "
+          "prefill tok/s (x alone)")
     for budget in (64, 128, 256) if not quick else (128,):
+        engine = engine_of(max_batch=8, step_tokens=budget, prefix_cache_bytes=0)
+        engine.submit(_ids(98, 64), SamplingParams(max_new_tokens=1)).result()  # warm up
+        start = time.perf_counter()
+        engine.submit(_ids(99, 2048), SamplingParams(max_new_tokens=1)).result()
+        alone = 2048 / (time.perf_counter() - start)  # the same prompt with nothing beside it
+        engine.close()
         engine = engine_of(max_batch=8, step_tokens=budget, prefix_cache_bytes=0)
         streams = [engine.submit(_ids(10 + i, 32), SamplingParams(max_new_tokens=4000)) for i in range(4)]
         time.sleep(3)  # the streams decode alone for a while
@@ -101,9 +109,9 @@ def interference(engine_of, quick: bool) -> None:
                     before.append(b - a)
                 elif a >= submitted and b <= done:
                     during.append(b - a)
-        print(f"   {budget:11d} | {1e3 * statistics.median(before):18.0f} ms | "
-              f"{1e3 * statistics.median(during):16.0f} ms, {1e3 * max(during):5.0f} ms | "
-              f"{2048 / (done - submitted):6.0f}")  # fmt: skip
+        rate, gap, gap0 = 2048 / (done - submitted), statistics.median(during), statistics.median(before)
+        print(f"   {budget:11d} | {1e3 * gap0:18.0f} ms | {1e3 * gap:9.0f} ms ({gap / gap0:.1f}x), "
+              f"{1e3 * max(during):5.0f} ms | {rate:6.0f} ({rate / alone:.2f}x of {alone:.0f})")  # fmt: skip
         engine.close()
 
 
