@@ -420,7 +420,7 @@ inline void tiles_i8(const QuantizedX& x, int64_t M, const Rows& W, int64_t n, f
 // block_i8 for many rows of x (prefill): x's rows in tiles of at most 64 KiB of quants, so that a
 // tile stays in L2 while the weight groups of [n0, n1) are read against it (each group from L1 for
 // all of the tile's rows); in the 512-bit tiles above where the build has them. Each row's y is the
-// same bit for bit as in a product of that row alone (K-quant rows in panels of 16: to float32 rounding).
+// same bit for bit as in a product of that row alone (K-quant rows in panels, kquant_tiles.h: to float32 rounding).
 inline void block_i8_rows(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y,
                           int64_t ldy) {
 #if QWEN35_KQUANT_TILES
