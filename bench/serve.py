@@ -1,6 +1,6 @@
 """The serving engine (lm/serving) on the bench model: batching, prefill beside decode, prefix cache.
 
-    python -m bench.serve --checkpoint DIR [--quick]
+    python -m bench.serve --checkpoint DIR [--weights auto] [--quick]
 
 DIR is a bench checkpoint (bench.formats.make_checkpoint: the bench/lm.py
 proportions with the real vocabulary, bf16). Prints:
@@ -196,12 +196,13 @@ def main() -> None:
     parser.add_argument("--checkpoint", type=Path, required=True, help="the bench checkpoint (make_model.py --shape bench)")
     parser.add_argument("--quick", action="store_true", help="fewer tokens and requests")
     parser.add_argument("--parts", default="1,2,3,4", help="which parts to run, e.g. 1,3")
+    parser.add_argument("--weights", default="auto", help="weights= of parts 1 and 2 (mm.load_model)")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     parts = {int(p) for p in args.parts.split(",")}
-    print(f"bench.serve on {args.checkpoint} ({torch.get_num_threads()} threads)")
+    print(f"bench.serve on {args.checkpoint}, weights={args.weights} ({torch.get_num_threads()} threads)")
     if parts & {1, 2}:
-        model = mm.load_model(args.checkpoint)
+        model = mm.load_model(args.checkpoint, weights=args.weights)
         engine_of = lambda **o: Engine(model.lm, eos_token_ids=(), **o)  # noqa: E731 - no EOS: fixed lengths
         if 1 in parts:
             batching(model, engine_of, args.quick)
