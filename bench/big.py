@@ -3,6 +3,7 @@ with random weights, built straight in a compact storage format.
 
     python -m bench.big [--weights int4] [--compute auto] [--cache-file PATH] [--new-tokens 8]
     python -m bench.big --from-cache PATH          # the load time of a cache file written by the above
+    python -m bench.big --apps                     # time to the first token of a VQA question and a caption
 
 No 70 GB bf16 checkpoint is written: the parameters get the storage of their format (lm/formats) on
 the meta device and are filled with random quants (fp16 scales of a real-like size) in place, so the
@@ -95,6 +96,8 @@ def main() -> None:
     parser.add_argument("--cache-file", type=Path, default=None)
     parser.add_argument("--from-cache", type=Path, default=None)
     parser.add_argument("--slice", type=Path, default=None, help="a real-shape checkpoint slice: its streaming load")
+    parser.add_argument("--apps", action="store_true",
+                        help="only the front ends' time to the first token: a VQA image question and one caption")
     args = parser.parse_args()
     if args.slice:
         return slice_load(args.slice, args.weights)
@@ -117,6 +120,8 @@ def main() -> None:
     print(f"built in {time.perf_counter() - start:.1f} s: LM {lm_bytes / 2**30:.2f} GiB ({args.weights}), vision "
           f"{vis_bytes / 2**30:.2f} GiB (matrices {vis_dtype}); RSS {rss_gib('VmRSS'):.2f} GiB; compute "
           f"{args.compute} (vision {model.visual.compute})", flush=True)
+    if args.apps:
+        return apps_ttft(model)
     for batch in (1, 8):
         print(f"decode batch {batch}: {timed_decode(model, batch, args.new_tokens):.2f} tok/s; "
               f"peak RSS {rss_gib():.2f} GiB", flush=True)
@@ -139,6 +144,53 @@ def main() -> None:
         start = time.perf_counter()
         write_safetensors(args.cache_file, {n: p.data for n, p in model.lm.named_parameters()})
         print(f"wrote {args.cache_file} in {time.perf_counter() - start:.1f} s")
+
+
+def clip(path: Path, seconds: int = 30, fps: int = 24, size: tuple[int, int] = (1280, 720)) -> Path:
+    """A synthetic 720p clip: moving colour gradients, `seconds` long (PyAV)."""
+    import av
+    import numpy as np
+
+    w, h = size
+    yy, xx = np.mgrid[0:h, 0:w]
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        for i in range(seconds * fps):
+            frame = np.stack([(xx + 8 * i) % 256, (yy + 3 * i) % 256, (xx + yy + 5 * i) % 256], -1).astype(np.uint8)
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        out.mux(stream.encode())
+    return path
+
+
+def apps_ttft(model: VLModel) -> None:
+    """Time to the first token through the front ends' own paths, on `model` with the default model's
+    tokenizer and processor: `app.VQA` on a 1024 x 1024 image (1,024 image tokens), and one caption
+    of a 30 s 720p clip at the captioner's defaults (app.caption: its prompt, --fps 2, --max-frames
+    64), each from the call to its first token (decoding and sampling the input included)."""
+    import tempfile
+
+    import numpy as np
+
+    from app.caption import DEFAULT_PROMPT
+    from app.default_model import default_model_path
+    from app.vqa import VQA
+    from mm.pipeline import Pipeline
+    from mm.processor import Processor
+
+    model.generation_config = {"eos_token_id": [248046, 248044]}
+    vqa = VQA.from_pipeline(Pipeline(model, Processor.from_pretrained(default_model_path())))
+    image = np.random.default_rng(0).integers(0, 256, (1024, 1024, 3), dtype=np.uint8)
+    start = time.perf_counter()
+    answer = vqa.ask("What is in this picture?", image=image, max_new_tokens=1, enable_thinking=False)
+    print(f"VQA, 1024 x 1024 image: {answer.prompt_tokens} prompt tokens, time to the first token "
+          f"{time.perf_counter() - start:.1f} s; peak RSS {rss_gib():.2f} GiB", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        video = clip(Path(tmp) / "clip.mp4")
+        start = time.perf_counter()
+        answer = vqa.ask(DEFAULT_PROMPT, video=str(video), fps=2.0, max_frames=64, max_new_tokens=1)
+        print(f"caption of a 30 s 720p clip (captioner defaults): {answer.prompt_tokens} prompt tokens, time to "
+              f"the first token {time.perf_counter() - start:.1f} s; peak RSS {rss_gib():.2f} GiB", flush=True)
 
 
 def slice_load(path: Path, weights: str) -> None:
