@@ -92,6 +92,9 @@ class VisionModel(nn.Module):
         # bf16 compute's attention: None (torch's SDPA) or a kernel attend(q, k, v, scale) of bf16
         # [B, L, H, D] with no mask, given at load by whoever has one (mm: lm.kernels.bf16_attention_kernel)
         self.attend = None
+        # the most patches the fast path holds activations for at once (a 30 s clip at the captioner's
+        # defaults is ~48,000: ~3 GB of them at the 35B's size; 16,384: ~1 GB)
+        self.slice_patches = 16384
         self.patch_embed = PatchEmbed(config)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
@@ -117,9 +120,31 @@ class VisionModel(nn.Module):
 
         `pixel_values [N, C_in*T*P*P]` are the preprocessor's patches, each frame group's h*w patches
         in 2x2-merge-block order; `grid_thw [n, 3]` gives (t, h, w) per image/video, N = sum(t*h*w).
-        Equal to transformers' `Qwen3_5MoeVisionModel(...).pooler_output`.
+        Equal to transformers' `Qwen3_5MoeVisionModel(...).pooler_output`. Every frame attends only
+        to itself and every other step is per patch, so the fast path runs many frames (a video) in
+        slices of whole frames of at most `slice_patches` patches: the same values (up to the float
+        rounding of GEMMs of other sizes), a fraction of the activations' memory.
         """
         grids = self._grids(pixel_values, grid_thw)
+        frames = [(1, h, w) for t, h, w in grids for _ in range(t)]
+        if self.fast and len(frames) > 1 and pixel_values.shape[0] > self.slice_patches:
+            return torch.cat([self._forward(pixel_values[a:b], part) for a, b, part in self._slices(frames)])
+        return self._forward(pixel_values, grids)
+
+    def _slices(self, frames: list[tuple[int, int, int]]):
+        """(first patch, end patch, frames) of consecutive whole frames, each slice at most
+        `slice_patches` patches (or one larger frame)."""
+        start, part, size = 0, [], 0
+        for frame in frames:
+            n = frame[1] * frame[2]
+            if part and size + n > self.slice_patches:
+                yield start, start + size, part
+                start, part, size = start + size, [], 0
+            part.append(frame)
+            size += n
+        yield start, start + size, part
+
+    def _forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         pos, cos, sin = self._grid_tables(grids)
         x = self.patch_embed(pixel_values, self.compute) + pos  # [N, C]
         segments = Segments.from_lengths([h * w for t, h, w in grids for _ in range(t)])

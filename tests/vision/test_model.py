@@ -72,6 +72,27 @@ def test_attention_never_crosses_segments(grid, changed):
     assert not torch.equal(a[lo:hi], b[lo:hi])
 
 
+@pytest.mark.parametrize("limit", [1, 40, 100])
+def test_frames_in_slices_equal_the_whole(limit):
+    """The fast path over slices of whole frames of at most `slice_patches` patches (one frame when a
+    frame is larger) gives the features of one pass over them all, and of transformers."""
+    ours, ref = towers(True, 2304)
+    x, grid_thw = patches(GRIDS["mix"])  # 10 frames of 4 to 36 patches, 192 in all
+    with torch.inference_mode():
+        whole = ours(x, grid_thw)
+        try:
+            ours.slice_patches = limit
+            sliced = ours(x, grid_thw)
+            parts = [(a, b) for a, b, _ in ours._slices([(1, 4, 6), (1, 4, 6), (1, 8, 8), (1, 2, 2)])]
+        finally:
+            ours.slice_patches = 16384
+        want = ref(x, grid_thw).pooler_output
+    assert rel_err(sliced, whole) < 1e-6 and rel_err(sliced, want) < 1e-5
+    expected = {1: [(0, 24), (24, 48), (48, 112), (112, 116)], 40: [(0, 24), (24, 48), (48, 112), (112, 116)],
+                100: [(0, 48), (48, 116)]}
+    assert parts == expected[limit]
+
+
 def test_fast_path_matches_plain_path():
     fast, _ = towers(True, 256, True)
     plain, _ = towers(True, 256, False)
