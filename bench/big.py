@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("--slice", type=Path, default=None, help="a real-shape checkpoint slice: its streaming load")
     parser.add_argument("--apps", action="store_true",
                         help="only the front ends' time to the first token: a VQA image question and one caption")
+    parser.add_argument("--prefix-cache-mb", type=int, default=None, help="--apps: the engine's prefix cache "
+                        "(default: the engine's default)")
     args = parser.parse_args()
     if args.slice:
         return slice_load(args.slice, args.weights)
@@ -121,7 +123,7 @@ def main() -> None:
           f"{vis_bytes / 2**30:.2f} GiB (matrices {vis_dtype}); RSS {rss_gib('VmRSS'):.2f} GiB; compute "
           f"{args.compute} (vision {model.visual.compute})", flush=True)
     if args.apps:
-        return apps_ttft(model)
+        return apps_ttft(model, args.prefix_cache_mb)
     for batch in (1, 8):
         print(f"decode batch {batch}: {timed_decode(model, batch, args.new_tokens):.2f} tok/s; "
               f"peak RSS {rss_gib():.2f} GiB", flush=True)
@@ -163,7 +165,7 @@ def clip(path: Path, seconds: int = 30, fps: int = 24, size: tuple[int, int] = (
     return path
 
 
-def apps_ttft(model: VLModel) -> None:
+def apps_ttft(model: VLModel, prefix_cache_mb: int | None = None) -> None:
     """Time to the first token through the front ends' own paths, on `model` with the default model's
     tokenizer and processor: `app.VQA` on a 1024 x 1024 image (1,024 image tokens), and one caption
     of a 30 s 720p clip at the captioner's defaults (app.caption: its prompt, --fps 2, --max-frames
@@ -175,11 +177,15 @@ def apps_ttft(model: VLModel) -> None:
     from app.caption import DEFAULT_PROMPT
     from app.default_model import default_model_path
     from app.vqa import VQA
+    from lm.serving import EngineConfig
     from mm.pipeline import Pipeline
     from mm.processor import Processor
 
     model.generation_config = {"eos_token_id": [248046, 248044]}
-    vqa = VQA.from_pipeline(Pipeline(model, Processor.from_pretrained(default_model_path())))
+    options = {} if prefix_cache_mb is None else {"prefix_cache_bytes": prefix_cache_mb << 20}
+    vqa = VQA.from_pipeline(Pipeline(model, Processor.from_pretrained(default_model_path()), engine_options=options))
+    cache = EngineConfig.of(**options).prefix_cache_bytes
+    print(f"engine: prefix cache {cache / 2**20:.0f} MiB", flush=True)
     image = np.random.default_rng(0).integers(0, 256, (1024, 1024, 3), dtype=np.uint8)
     start = time.perf_counter()
     answer = vqa.ask("What is in this picture?", image=image, max_new_tokens=1, enable_thinking=False)

@@ -297,9 +297,9 @@ def expert_mlp(x: torch.Tensor, gate_up: Weight, down: Weight, counts: torch.Ten
         return None
     (gate_up, gate_up_fmt), (down, down_fmt) = _split(gate_up), _split(down)
     how = pick(compute, gate_up_fmt, k)
-    if how == "bf16" and not tiles(k):
-        say_once("bf16-experts", "compute='bf16': the routed experts' prefill takes bf16 on AMX tiles only; "
-                 "without them it computes in float32")  # fmt: skip
+    if how == "bf16" and not tiles(k) and not k.BF16_ROWS:
+        say_once("bf16-experts", "compute='bf16': the routed experts' prefill takes bf16 on AMX tiles or, in a "
+                 "build with AVX512-BF16, torch's bf16 GEMM; without either it computes in float32")  # fmt: skip
         how = "fp32"
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).long()
     code = {"fp32": 0, "bf16": 1, "int8": 3 if int8_on_tiles(compute, k, gate_up_fmt) else 2}[how]

@@ -37,6 +37,12 @@ using namespace qwen35;
 #else
 #define QWEN35_AMX 0
 #endif
+// the weights' conversion to bf16 rows (also used without AMX: bf16_rows_mm)
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define QWEN35_BF16_ROWS 1
+#else
+#define QWEN35_BF16_ROWS 0
+#endif
 
 namespace {
 
@@ -58,7 +64,9 @@ inline void configure_tiles() {
   for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = TILE;
   _tile_loadconfig(&c);
 }
+#endif
 
+#if QWEN35_BF16_ROWS
 // fp32 rows [rows][K] -> bf16 rows [rows][Kp], each ld apart (round to nearest even, zero tail).
 inline void to_bf16_rows(const float* in, int64_t rows, int64_t K, int64_t Kp, uint16_t* out, int64_t ld) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -171,6 +179,9 @@ void weight_to_bf16(const Rows& w, int64_t N, int64_t K, int64_t Kp, uint16_t* o
   }
   for (int64_t n = 0; n < N && Kp > K && grouped(w.fmt); ++n) std::memset(out + n * ld + K, 0, (Kp - K) * 2);
 }
+#endif
+
+#if QWEN35_AMX
 
 // A 16 x 16 block of 4-byte values in[j * ld + i] as its 16 columns: r[i] holds in[0..15][i].
 inline void transpose16(const float* in, int64_t ld, __m512* r) {
@@ -461,6 +472,27 @@ at::Tensor amx_int8_linear(at::Tensor x, Weight W) {
 }
 
 // y = x W^T: x [M, K] float32, W [N, row] in any format with K inputs per row -> y [M, N] float32.
+bool bf16_rows_built() { return QWEN35_BF16_ROWS; }
+
+// y = x W^T [M, N] for float32 x [M, K] and a weight of any format, with x and W rounded to bf16 and
+// torch's bf16 GEMM (oneDNN, AVX512-BF16): W converted to bf16 rows for this call (half the bytes of
+// a float32 copy), y rounded to bf16 by the GEMM and returned in float32. Single-threaded inside a
+// parallel region (the prefill experts' path on CPUs with AVX512-BF16 and no AMX, expert_mlp.cpp).
+at::Tensor bf16_rows_mm(const at::Tensor& x, Weight W) {
+  check(x, "x");
+  TORCH_CHECK(x.dim() == 2 && tensor_of(W).dim() == 2, "bf16_rows_mm: x must be [M, K] and W [N, row]");
+  TORCH_CHECK(QWEN35_BF16_ROWS, "bf16_rows_mm: built without AVX512-BF16");
+  const Rows w = rows_of(W, x.size(1));
+#if QWEN35_BF16_ROWS
+  const int64_t K = x.size(1), N = tensor_of(W).size(0);
+  auto w16 = at::empty({N, K}, x.options().dtype(at::kBFloat16));
+  weight_to_bf16(w, N, K, K, reinterpret_cast<uint16_t*>(w16.data_ptr()), K);
+  return at::mm(x.to(at::kBFloat16), w16.t()).to(at::kFloat);
+#else
+  return x;
+#endif
+}
+
 at::Tensor amx_linear(at::Tensor x, Weight W) {
   const Rows w = checked(x, W, "amx_linear");
   const int64_t M = x.size(0), K = x.size(1), N = tensor_of(W).size(0);

@@ -47,6 +47,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_conv", &causal_conv, "depthwise causal conv + SiLU along time, one pass (prefill)");
   m.def("bf16_attention", &bf16_attention, "softmax(scale q k^T) v of bf16 q [B, T, H, D], k, v [B, L, KV, D] (AVX512-BF16)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("causal") = false);
+  m.attr("BF16_ROWS") = bf16_rows_built();  // built with AVX512-BF16: bf16 experts without AMX (expert_mlp)
   m.attr("BF16_ATTENTION") = bf16_attention_built();  // built with AVX512-BF16: bf16_attention runs
   // module_local: two builds of these kernels can be loaded in one process (an A/B of two versions)
   py::class_<DecodePlan>(m, "DecodePlan", py::module_local(), "a whole decode step through the layer stack (see kernels.h)")

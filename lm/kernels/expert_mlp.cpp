@@ -7,9 +7,10 @@
 // Q8_0 / Q4_0 experts with int8 activations on (the default) take the decode products' int8 path:
 // each group's rows of x, then their activations, rounded to Q8_0 blocks, and integer dot products
 // (int8_dot.h: the same error as in decode; in turns against the float32 conversion below, ~2x on
-// the GEMMs). Other compact formats (bf16, or int8 activations off) are converted to float32 per
-// expert into the thread's scratch first: once per expert per prefill call, shared by all of its
-// token rows.
+// the GEMMs). Under bf16 compute, AMX tiles where there are some, else (AVX512-BF16) each expert's
+// weights converted to bf16 rows and torch's bf16 GEMM. Otherwise compact formats (bf16, or int8
+// activations off) are converted to float32 per expert into the thread's scratch first: once per
+// expert per prefill call, shared by all of its token rows.
 
 #include "kernels.h"
 #include "vec.h"
@@ -37,11 +38,13 @@ at::Tensor expert_mlp(at::Tensor x, Weight gate_up_w, Weight down_w, at::Tensor 
   const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2, N = x.size(0), H = x.size(1), S = token.numel();
   const Rows gu = rows_of(gate_up_w, H, "experts.gate_up_proj"), dn = rows_of(down_w, I, "experts.down_proj");
   const bool compact = gu.fmt != F32 || dn.fmt != F32;
-  // compute (lm/kernels/compute.py): 0 float32, 1 bf16 on AMX tiles, 2 int8 dot products where the
-  // weights allow, 3 the same on AMX tiles
+  // compute (lm/kernels/compute.py): 0 float32, 1 bf16 (on AMX tiles, else torch's bf16 GEMM), 2 int8
+  // dot products where the weights allow, 3 the same on AMX tiles
   const bool i8 = compute >= 2 && int8_path(gu) && int8_path(dn);  // Q8_0 / Q4_0, int8 activations on
   const bool i8_tiles = i8 && compute == 3 && amx_ready();
   const bool amx = compute == 1 && amx_ready();
+  const bool bf16 = compute == 1 && !amx && compact;  // bf16 without AMX: torch's bf16 GEMM (bf16_rows_mm)
+  TORCH_CHECK(!bf16 || bf16_rows_built(), "expert_mlp: bf16 compute needs AMX or a build with AVX512-BF16");
   TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && down.size(0) == E && down.size(1) == H &&
                   offsets.numel() == E + 1 && offsets.scalar_type() == at::kLong &&
                   token.scalar_type() == at::kLong && weight.numel() == S,
@@ -64,7 +67,7 @@ at::Tensor expert_mlp(at::Tensor x, Weight gate_up_w, Weight down_w, at::Tensor 
     at::Tensor gate_up_f, down_f;  // this thread's float32 copy of the current expert (compact formats)
     QuantizedX xq;  // this thread's current expert's rows of x, then of act, in Q8_0 blocks (int8 path)
     std::vector<float> h_buf, act_buf;  // and their gate / up outputs and activations (int8 path)
-    if (compact && !i8 && !amx) gate_up_f = at::empty({2 * I, H}, x.options()), down_f = at::empty({H, I}, x.options());
+    if (compact && !i8 && !amx && !bf16) gate_up_f = at::empty({2 * I, H}, x.options()), down_f = at::empty({H, I}, x.options());
     for (int64_t i = next++; i < E; i = next++) {
       const int64_t e = order[i], r0 = op[e], rows = op[e + 1] - r0;
       if (rows == 0) break;  // sorted: the rest are empty
@@ -88,6 +91,11 @@ at::Tensor expert_mlp(at::Tensor x, Weight gate_up_w, Weight down_w, at::Tensor 
       if (amx) {  // bf16 tiles, each expert's weights converted in panels (amx_linear.cpp), one thread
         auto h = amx_linear(xe, {gate_up[e], gu.fmt});  // [rows, 2I]
         ys[e] = amx_linear(at::silu(h.narrow(1, 0, I)).mul_(h.narrow(1, I, I)), {down[e], dn.fmt});  // [rows, H]
+        continue;
+      }
+      if (bf16) {  // each expert's weights converted to bf16 rows, torch's bf16 GEMM (AVX512-BF16)
+        auto h = bf16_rows_mm(xe, {gate_up[e], gu.fmt});  // [rows, 2I]
+        ys[e] = bf16_rows_mm(at::silu(h.narrow(1, 0, I)).mul_(h.narrow(1, I, I)), {down[e], dn.fmt});  // [rows, H]
         continue;
       }
       if (compact) {

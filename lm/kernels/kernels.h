@@ -19,6 +19,9 @@ std::vector<at::Tensor> multi_linear(at::Tensor x, std::vector<qwen35::Weight> w
 at::Tensor int8_linear(at::Tensor x, qwen35::Weight W);
 // prefill products in bf16 on AMX tiles (amx_linear.cpp); amx_ready: built with them and allowed by the OS
 at::Tensor amx_linear(at::Tensor x, qwen35::Weight W);
+// x W^T through torch's bf16 GEMM, W converted to bf16 rows (amx_linear.cpp; built with AVX512-BF16)
+at::Tensor bf16_rows_mm(const at::Tensor& x, qwen35::Weight W);
+bool bf16_rows_built();
 at::Tensor amx_int8_linear(at::Tensor x, qwen35::Weight W);
 bool amx_ready();
 at::Tensor grouped_linear(at::Tensor x, qwen35::Weight W, at::Tensor experts, at::Tensor offsets);

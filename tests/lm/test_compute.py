@@ -256,3 +256,28 @@ def test_k_quant_prefill_takes_the_int8_products(monkeypatch, capsys):
     assert picked == {"bf16" if compute.tiles(k) else "int8" if int8 else "fp32"}
     assert not compute.int8_on_tiles("int8", k, Q4_K)  # the AMX int8 tiles take Q8_0 / Q4_0 only
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("fmt", [BF16, BF16_G8])
+def test_bf16_experts_within_the_bf16_bound(fmt, monkeypatch, capsys):
+    """The routed experts' prefill under bf16 compute: AMX tiles, else (a build with AVX512-BF16) each
+    expert's weights as bf16 rows through torch's bf16 GEMM, else float32 (said once). Against the
+    float32 path on the same weights: within 2% of the largest output (x, W, the activations and
+    the GEMM's outputs each rounded to bf16), and not equal to it where bf16 ran."""
+    from tests.lm.test_formats import _random_moe
+
+    E, K, H, I, N = 8, 2, 128, 96, 40
+    w, router, gate_up, down, _ = _random_moe(fmt, 21, E, H, I, 32)
+    x = w(N, H) / 0.2
+    top = (x @ router.T).softmax(-1).topk(K, dim=-1)
+    chosen = top.values / top.values.sum(-1, keepdim=True)
+    order = top.indices.flatten().argsort(stable=True)
+    counts = torch.bincount(top.indices.flatten(), minlength=E)
+    args = (x, gate_up, down, counts, order // K, chosen.flatten()[order])
+    monkeypatch.setattr(compute, "_said", set())
+    exact, y = kernels.expert_mlp(*args, compute="fp32"), kernels.expert_mlp(*args, compute="bf16")
+    k = kernels.compiled()
+    if compute.tiles(k) or k.BF16_ROWS:
+        assert 1e-5 < rel_err(y, exact) < 0.02
+    else:
+        assert torch.equal(y, exact) and "computes in float32" in capsys.readouterr().err
