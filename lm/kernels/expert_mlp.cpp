@@ -67,7 +67,8 @@ at::Tensor expert_mlp(at::Tensor x, Weight gate_up_w, Weight down_w, at::Tensor 
     at::Tensor gate_up_f, down_f;  // this thread's float32 copy of the current expert (compact formats)
     QuantizedX xq;  // this thread's current expert's rows of x, then of act, in Q8_0 blocks (int8 path)
     std::vector<float> h_buf, act_buf;  // and their gate / up outputs and activations (int8 path)
-    if (compact && !i8 && !amx && !bf16) gate_up_f = at::empty({2 * I, H}, x.options()), down_f = at::empty({H, I}, x.options());
+    if (compact && !i8 && !amx && !bf16)
+      gate_up_f = at::empty({2 * I, H}, x.options()), down_f = at::empty({H, I}, x.options());
     for (int64_t i = next++; i < E; i = next++) {
       const int64_t e = order[i], r0 = op[e], rows = op[e + 1] - r0;
       if (rows == 0) break;  // sorted: the rest are empty

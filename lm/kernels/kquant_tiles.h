@@ -69,44 +69,61 @@ inline void kquant_panel(const Rows& W, int64_t n, int64_t K, uint8_t* panel) {
   }
 }
 
+// Rows r0, r0 + 1, ... of quantized x as the tiles read them, and a panel block's parts.
+struct TileX {
+  const int8_t* q;
+  const float* d;
+  const int32_t* sum8;
+  int64_t K, nb;
+  TileX(const QuantizedX& x, int64_t r0)
+      : q(x.q.data() + r0 * x.K), d(x.d.data() + r0 * (x.K / QK)), sum8(x.sum8.data() + r0 * (x.K / QK)), K(x.K),
+        nb(x.K / QK) {}
+  int32_t quad(int r, int64_t b, int c) const { return kq_x_quad(q + r * K + b * QK + 4 * c); }  // 4 quants
+  float dx(int r, int64_t b) const { return d[r * nb + b]; }
+  float dx_sum8(int r, int64_t b) const { return d[r * nb + b] * float(sum8[r * nb + b]); }  // dx 8 sum(xq)
+};
+inline const uint8_t* panel_quants(const uint8_t* panel, int64_t b, int c) {  // chunk c
+  return panel + b * KQ_BLOCK + c * 4 * KQ_LANES;
+}
+inline const float* panel_scales(const uint8_t* panel, int64_t b) {  // s0, then s1
+  return reinterpret_cast<const float*>(panel + b * KQ_BLOCK + KQ_Q);
+}
+inline const uint8_t* panel_w16(const uint8_t* panel, int64_t b, int h) {  // half h's
+  return panel + b * KQ_BLOCK + KQ_Q + 8 * KQ_LANES + 4 * KQ_LANES * h;
+}
+
 #if KQ_WIDE
 // y[r * ldy + l] = weight row l of the panel . x[r0 + r], r < R.
 template <class T, int R>
 inline void kquant_tile(const QuantizedX& x, int64_t r0, const uint8_t* panel, float* y, int64_t ldy) {
   constexpr bool six = !T::has_min;
-  const int64_t K = x.K, nb = K / QK;
-  const int8_t* xq = x.q.data() + r0 * K;
-  const float* xd = x.d.data() + r0 * nb;
-  const int32_t* xs = x.sum8.data() + r0 * nb;
+  const TileX xt(x, r0);
   const __m512i flip = _mm512_set1_epi8(char(0x80));
   __m512 acc[R], low[R];
   for (int r = 0; r < R; ++r) acc[r] = low[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = panel + b * KQ_BLOCK;
-    const float* s = reinterpret_cast<const float*>(blk + KQ_Q);
-    const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
-    const int8_t* xb = xq + b * QK;
+  for (int64_t b = 0; b < xt.nb; ++b) {
+    const __m512 s0 = _mm512_loadu_ps(panel_scales(panel, b)), s1 = _mm512_loadu_ps(panel_scales(panel, b) + 16);
     for (int h = 0; h < (six ? 2 : 1); ++h) {  // Q6_K: each half with its scale
       __m512i dot[R];
-      const __m512i init = six ? _mm512_loadu_si512(blk + KQ_Q + 128 + 64 * h) : _mm512_setzero_si512();
+      const __m512i init = six ? _mm512_loadu_si512(panel_w16(panel, b, h)) : _mm512_setzero_si512();
       for (int r = 0; r < R; ++r) dot[r] = init;
       constexpr int chunks = six ? 4 : 8;
 #pragma GCC unroll 8
       for (int c = h * chunks; c < (h + 1) * chunks; ++c) {
-        const __m512i w = _mm512_loadu_si512(blk + 64 * c);
+        const __m512i w = _mm512_loadu_si512(panel_quants(panel, b, c));
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          const __m512i xv = _mm512_set1_epi32(kq_x_quad(xb + r * K + 4 * c));
-          dot[r] = six ? _mm512_dpbusd_epi32(dot[r], _mm512_xor_si512(xv, flip), w) : _mm512_dpbusd_epi32(dot[r], w, xv);
+          const __m512i xv = _mm512_set1_epi32(xt.quad(r, b, c));
+          dot[r] = six ? _mm512_dpbusd_epi32(dot[r], _mm512_xor_si512(xv, flip), w)
+                       : _mm512_dpbusd_epi32(dot[r], w, xv);
         }
       }
       const __m512 scale = six && h == 1 ? s1 : s0;
       for (int r = 0; r < R; ++r)
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(scale, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(scale, _mm512_set1_ps(xt.dx(r, b))), acc[r]);
     }
     if constexpr (!six)  // the mins: dmin m times sum(xq) dx (sum8 holds 8 sum(xq))
-      for (int r = 0; r < R; ++r)
-        low[r] = _mm512_fmadd_ps(s1, _mm512_set1_ps(xd[r * nb + b] * float(xs[r * nb + b])), low[r]);
+      for (int r = 0; r < R; ++r) low[r] = _mm512_fmadd_ps(s1, _mm512_set1_ps(xt.dx_sum8(r, b)), low[r]);
   }
   for (int r = 0; r < R; ++r)
     _mm512_storeu_ps(y + r * ldy, six ? acc[r] : _mm512_fnmadd_ps(low[r], _mm512_set1_ps(0.125f), acc[r]));
@@ -120,30 +137,24 @@ template <class T, int R>
 inline void kquant_tile(const QuantizedX& x, int64_t r0, const uint8_t* panel, float* y, int64_t ldy) {
   constexpr bool six = !T::has_min;
   constexpr int G = std::is_same_v<T, TraitsQ4_K> ? 4 : 2;  // chunks summed in int16 (no VNNI)
-  const int64_t K = x.K, nb = K / QK;
-  const int8_t* xq = x.q.data() + r0 * K;
-  const float* xd = x.d.data() + r0 * nb;
-  const int32_t* xs = x.sum8.data() + r0 * nb;
+  const TileX xt(x, r0);
   const __m256i flip = _mm256_set1_epi8(char(0x80));
   __m256 acc[R], low[R];
   for (int r = 0; r < R; ++r) acc[r] = low[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = panel + b * KQ_BLOCK;
-    const float* s = reinterpret_cast<const float*>(blk + KQ_Q);
-    const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
-    const int8_t* xb = xq + b * QK;
+  for (int64_t b = 0; b < xt.nb; ++b) {
+    const __m256 s0 = _mm256_loadu_ps(panel_scales(panel, b)), s1 = _mm256_loadu_ps(panel_scales(panel, b) + 8);
     for (int h = 0; h < (six ? 2 : 1); ++h) {  // Q6_K: each half with its scale
       __m256i dot[R];
-      const __m256i init = six ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + KQ_Q + 64 + 32 * h))
+      const __m256i init = six ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel_w16(panel, b, h)))
                                : _mm256_setzero_si256();
       for (int r = 0; r < R; ++r) dot[r] = init;
       constexpr int chunks = six ? 4 : 8;
 #if QWEN35_VNNI
 #pragma GCC unroll 8
       for (int c = h * chunks; c < (h + 1) * chunks; ++c) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * c));
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel_quants(panel, b, c)));
         for (int r = 0; r < R; ++r) {
-          const __m256i xv = _mm256_set1_epi32(kq_x_quad(xb + r * K + 4 * c));
+          const __m256i xv = _mm256_set1_epi32(xt.quad(r, b, c));
           dot[r] = six ? dpbusd(dot[r], _mm256_xor_si256(xv, flip), w) : dpbusd(dot[r], w, xv);
         }
       }
@@ -154,9 +165,9 @@ inline void kquant_tile(const QuantizedX& x, int64_t r0, const uint8_t* panel, f
         for (int r = 0; r < R; ++r) p16[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int c = c0; c < c0 + G; ++c) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * c));
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel_quants(panel, b, c)));
           for (int r = 0; r < R; ++r) {
-            const __m256i xv = _mm256_set1_epi32(kq_x_quad(xb + r * K + 4 * c));
+            const __m256i xv = _mm256_set1_epi32(xt.quad(r, b, c));
             p16[r] = _mm256_add_epi16(p16[r], six ? _mm256_maddubs_epi16(_mm256_xor_si256(xv, flip), w)
                                                   : _mm256_maddubs_epi16(w, xv));
           }
@@ -166,11 +177,10 @@ inline void kquant_tile(const QuantizedX& x, int64_t r0, const uint8_t* panel, f
 #endif
       const __m256 scale = six && h == 1 ? s1 : s0;
       for (int r = 0; r < R; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(scale, _mm256_set1_ps(xd[r * nb + b])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(scale, _mm256_set1_ps(xt.dx(r, b))), acc[r]);
     }
     if constexpr (!six)  // the mins: dmin m times sum(xq) dx (sum8 holds 8 sum(xq))
-      for (int r = 0; r < R; ++r)
-        low[r] = _mm256_fmadd_ps(s1, _mm256_set1_ps(xd[r * nb + b] * float(xs[r * nb + b])), low[r]);
+      for (int r = 0; r < R; ++r) low[r] = _mm256_fmadd_ps(s1, _mm256_set1_ps(xt.dx_sum8(r, b)), low[r]);
   }
   for (int r = 0; r < R; ++r)
     _mm256_storeu_ps(y + r * ldy, six ? acc[r] : _mm256_fnmadd_ps(low[r], _mm256_set1_ps(0.125f), acc[r]));
