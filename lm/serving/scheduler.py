@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.compute import say_once
 from ..model import CausalLM
 from ..sampling import Sampler
 from . import runner
-from ..kernels.compute import say_once
 from .config import EngineConfig, default_prefix_cache_bytes, ram_bytes
 from .prefix_cache import PrefixCache
 from .request import Prompt, Request
