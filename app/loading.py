@@ -130,5 +130,5 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              f"at most {MAX_LEN_CAP})")
     parser.add_argument("--prefix-cache-mb", type=float, default=None, metavar="MB",
                         help="memory for cached prompt states, reused by later requests and chat turns (default: "
-                             "2048, or an eighth of the machine's memory, or what it leaves beside the weights and 4 GiB for "
-                             "activations, whichever is least)")
+                             "2048, or an eighth of the machine's memory, or the memory available once the model is "
+                             "loaded less 4 GiB for activations, whichever is least)")

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 MAX_LEN_CAP = 32768  # a slot holds at most this many positions unless max_len says otherwise
 
 
-# memory kept free beside the weights for a long prompt's activations before the prefix cache takes
-# any: a 30 s clip at the captioner's defaults (~12,000 tokens) on Qwen3.5-35B-A3B int4 peaks ~2.6 GiB
-# above the weights (bench.big --apps)
+# memory kept free for a long prompt's activations before the prefix cache takes any: a 30 s clip at
+# the captioner's defaults (~12,000 tokens) on Qwen3.5-35B-A3B int4 peaks ~2.6 GiB above its weights
+# (bench.big --apps)
 ACTIVATION_HEADROOM = 4 << 30
 
 
@@ -26,12 +26,25 @@ def ram_bytes() -> int:
         return 16 << 30
 
 
-def default_prefix_cache_bytes(model_bytes: int = 0) -> int:
-    """2 GiB, or an eighth of the machine's memory when that is less, or what the memory leaves beside
-    `model_bytes` of weights and ACTIVATION_HEADROOM when that is less (0: no prefix cache; the
-    35B-A3B in 24 GiB)."""
+def available_bytes() -> int:
+    """Memory the kernel can still give this process (MemAvailable; the machine's RAM where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return ram_bytes()
+
+
+def default_prefix_cache_bytes(available: int | None = None) -> int:
+    """2 GiB, or an eighth of the machine's memory when that is less, or what the memory still
+    available (`available`, default: now, after the weights are loaded) leaves beside
+    ACTIVATION_HEADROOM when that is less (0: no prefix cache; the 35B-A3B in 24 GiB)."""
     ram = ram_bytes()
-    return max(0, min(2 << 30, ram // 8, ram - model_bytes - ACTIVATION_HEADROOM))
+    left = (available_bytes() if available is None else available) - ACTIVATION_HEADROOM
+    return max(0, min(2 << 30, ram // 8, left))
 
 
 @dataclass(frozen=True)
@@ -42,7 +55,7 @@ class EngineConfig:
     max_len: int | None = None  # positions of one slot (prompt + answer); None: the model's, at most MAX_LEN_CAP
     step_tokens: int = 128  # a step's token budget while streams decode (their rows, then prefill)
     prefill_chunk: int = 1024  # prefill tokens a step when no stream decodes
-    prefix_cache_bytes: int | None = None  # None: default_prefix_cache_bytes(the weights); 0: no prefix cache
+    prefix_cache_bytes: int | None = None  # None: default_prefix_cache_bytes(); 0: no prefix cache
     snapshot_every: int = 512  # long prompts leave a prefix-cache snapshot every this many tokens
     named_snapshots: int = 8  # at most this many of the snapshot points a caller names per prompt
     snapshot_generations: bool = True  # a finished generation leaves a snapshot (the next chat turn's prefix)
@@ -70,11 +83,9 @@ class EngineConfig:
         """max_len, or the model's positions capped at MAX_LEN_CAP when it is None."""
         return self.max_len or min(model_positions, MAX_LEN_CAP)
 
-    def cache_bytes(self, model_bytes: int = 0) -> int:
-        """The prefix cache's byte budget, for a model of `model_bytes` of weights."""
-        if self.prefix_cache_bytes is None:
-            return default_prefix_cache_bytes(model_bytes)
-        return self.prefix_cache_bytes
+    def cache_bytes(self) -> int:
+        """The prefix cache's byte budget (the default: as the memory stands now)."""
+        return default_prefix_cache_bytes() if self.prefix_cache_bytes is None else self.prefix_cache_bytes
 
 
 _AT_LEAST_ONE = ("max_batch", "step_tokens", "prefill_chunk", "snapshot_every", "named_snapshots")

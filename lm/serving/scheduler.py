@@ -20,7 +20,7 @@ from ..kernels.compute import say_once
 from ..model import CausalLM
 from ..sampling import Sampler
 from . import runner
-from .config import EngineConfig, default_prefix_cache_bytes, ram_bytes
+from .config import EngineConfig, available_bytes, ram_bytes
 from .prefix_cache import PrefixCache
 from .request import Prompt, Request
 from .slots import SlotStore, resumed, row_state, trimmed
@@ -41,15 +41,14 @@ class _Row:
     reason: str | None = None  # why it ended, once it has (set before its slot is freed)
 
 
-def prefix_budget(lm: CausalLM, config: EngineConfig) -> int:
-    """The prefix cache's budget for `lm` (EngineConfig.cache_bytes of its weights' bytes); said once
-    when the weights leave the default no room."""
-    weights = sum(p.numel() * p.element_size() for p in lm.parameters())  # tied parameters once
-    budget = config.cache_bytes(weights)
-    if config.prefix_cache_bytes is None and budget < default_prefix_cache_bytes():
-        say_once("prefix-cache-small", f"the weights take {weights / 2**30:.1f} of {ram_bytes() / 2**30:.1f} GiB of "
-                 f"RAM: the prefix cache gets {budget / 2**20:.0f} MiB (default: 2 GiB or an eighth of the RAM, "
-                 "leaving 4 GiB beside the weights for a long prompt's activations; --prefix-cache-mb to choose)")
+def prefix_budget(config: EngineConfig) -> int:
+    """The prefix cache's budget (EngineConfig.cache_bytes, as the memory stands once the weights are
+    loaded); said once when the memory left cuts the default."""
+    budget = config.cache_bytes()
+    if config.prefix_cache_bytes is None and budget < min(2 << 30, ram_bytes() // 8):
+        say_once("prefix-cache-small", f"{available_bytes() / 2**30:.1f} of {ram_bytes() / 2**30:.1f} GiB of RAM are "
+                 f"available: the prefix cache gets {budget / 2**20:.0f} MiB (default: 2 GiB or an eighth of the RAM, "
+                 "leaving 4 GiB for a long prompt's activations; --prefix-cache-mb to choose)")
     return budget
 
 
@@ -59,7 +58,7 @@ class Scheduler:
         self.max_len = config.slot_length(lm.config.max_position_embeddings)
         device = lm.lm_head.weight.device
         self.store = SlotStore(lm.config, config.max_batch, self.max_len, device=device, dtype=lm.compute_dtype)
-        self.prefix = PrefixCache(prefix_budget(lm, config))
+        self.prefix = PrefixCache(prefix_budget(config))
         self.counters = dict(steps=0, decode_tokens=0, prefill_tokens=0, grouped_prefills=0, submitted=0, finished=0,
                              cancelled=0, failed=0)  # fmt: skip
         self._waiting: deque[_Row] = deque()
