@@ -92,100 +92,112 @@ inline const uint8_t* panel_w16(const uint8_t* panel, int64_t b, int h) {  // ha
   return panel + b * KQ_BLOCK + KQ_Q + 8 * KQ_LANES + 4 * KQ_LANES * h;
 }
 
+// The register width's operations (one set compiled per build): KQ_LANES float / int32 lanes, and
+// `dots`, which adds to dot[r] the integer dots of chunks [c0, c1) of panel block b with row r of x
+// (Q6_K, `six`: x + 128 as the unsigned operand against q - 32).
 #if KQ_WIDE
+struct KV {
+  using F = __m512;
+  using I = __m512i;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static I load_i(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I zero_i() { return _mm512_setzero_si512(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  template <class T, int R, bool six>
+  static void dots(const uint8_t* panel, int64_t b, int c0, int c1, const TileX& xt, I* dot) {
+    const __m512i flip = _mm512_set1_epi8(char(0x80));
+#pragma GCC unroll 8
+    for (int c = c0; c < c1; ++c) {
+      const __m512i w = load_i(panel_quants(panel, b, c));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_set1_epi32(xt.quad(r, b, c));
+        dot[r] = six ? _mm512_dpbusd_epi32(dot[r], _mm512_xor_si512(xv, flip), w)
+                     : _mm512_dpbusd_epi32(dot[r], w, xv);
+      }
+    }
+  }
+};
+#else
+// Without VNNI, vpmaddubsw's int16 pair sums add up over G chunks before vpmaddwd widens them
+// (|sum| <= 2 G max|q| 255 < 2^15: Q4_K G = 4, Q5_K 2, Q6_K 2 with x + 128 up to 255 and
+// |q - 32| <= 32); the same integer dots either way.
+struct KV {
+  using F = __m256;
+  using I = __m256i;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static I load_i(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I zero_i() { return _mm256_setzero_si256(); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  template <class T, int R, bool six>
+  static void dots(const uint8_t* panel, int64_t b, int c0, int c1, const TileX& xt, I* dot) {
+    const __m256i flip = _mm256_set1_epi8(char(0x80));
+#if QWEN35_VNNI
+#pragma GCC unroll 8
+    for (int c = c0; c < c1; ++c) {
+      const __m256i w = load_i(panel_quants(panel, b, c));
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_set1_epi32(xt.quad(r, b, c));
+        dot[r] = six ? dpbusd(dot[r], _mm256_xor_si256(xv, flip), w) : dpbusd(dot[r], w, xv);
+      }
+    }
+#else
+    constexpr int G = std::is_same_v<T, TraitsQ4_K> ? 4 : 2;  // chunks summed in int16
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int g = c0; g < c1; g += G) {
+      __m256i p16[R];
+      for (int r = 0; r < R; ++r) p16[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int c = g; c < g + G; ++c) {
+        const __m256i w = load_i(panel_quants(panel, b, c));
+        for (int r = 0; r < R; ++r) {
+          const __m256i xv = _mm256_set1_epi32(xt.quad(r, b, c));
+          p16[r] = _mm256_add_epi16(p16[r], six ? _mm256_maddubs_epi16(_mm256_xor_si256(xv, flip), w)
+                                                : _mm256_maddubs_epi16(w, xv));
+        }
+      }
+      for (int r = 0; r < R; ++r) dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(p16[r], ones));
+    }
+#endif
+  }
+};
+#endif
+
 // y[r * ldy + l] = weight row l of the panel . x[r0 + r], r < R.
 template <class T, int R>
 inline void kquant_tile(const QuantizedX& x, int64_t r0, const uint8_t* panel, float* y, int64_t ldy) {
   constexpr bool six = !T::has_min;
   const TileX xt(x, r0);
-  const __m512i flip = _mm512_set1_epi8(char(0x80));
-  __m512 acc[R], low[R];
-  for (int r = 0; r < R; ++r) acc[r] = low[r] = _mm512_setzero_ps();
+  typename KV::F acc[R], low[R];
+  for (int r = 0; r < R; ++r) acc[r] = low[r] = KV::zero();
   for (int64_t b = 0; b < xt.nb; ++b) {
-    const __m512 s0 = _mm512_loadu_ps(panel_scales(panel, b)), s1 = _mm512_loadu_ps(panel_scales(panel, b) + 16);
+    const typename KV::F s0 = KV::load(panel_scales(panel, b)), s1 = KV::load(panel_scales(panel, b) + KQ_LANES);
     for (int h = 0; h < (six ? 2 : 1); ++h) {  // Q6_K: each half with its scale
-      __m512i dot[R];
-      const __m512i init = six ? _mm512_loadu_si512(panel_w16(panel, b, h)) : _mm512_setzero_si512();
+      typename KV::I dot[R];
+      const typename KV::I init = six ? KV::load_i(panel_w16(panel, b, h)) : KV::zero_i();
       for (int r = 0; r < R; ++r) dot[r] = init;
       constexpr int chunks = six ? 4 : 8;
-#pragma GCC unroll 8
-      for (int c = h * chunks; c < (h + 1) * chunks; ++c) {
-        const __m512i w = _mm512_loadu_si512(panel_quants(panel, b, c));
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const __m512i xv = _mm512_set1_epi32(xt.quad(r, b, c));
-          dot[r] = six ? _mm512_dpbusd_epi32(dot[r], _mm512_xor_si512(xv, flip), w)
-                       : _mm512_dpbusd_epi32(dot[r], w, xv);
-        }
-      }
-      const __m512 scale = six && h == 1 ? s1 : s0;
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(scale, _mm512_set1_ps(xt.dx(r, b))), acc[r]);
+      KV::template dots<T, R, six>(panel, b, h * chunks, (h + 1) * chunks, xt, dot);
+      const typename KV::F scale = six && h == 1 ? s1 : s0;
+      for (int r = 0; r < R; ++r) acc[r] = KV::fmadd(KV::cvt(dot[r]), KV::mul(scale, KV::set1(xt.dx(r, b))), acc[r]);
     }
     if constexpr (!six)  // the mins: dmin m times sum(xq) dx (sum8 holds 8 sum(xq))
-      for (int r = 0; r < R; ++r) low[r] = _mm512_fmadd_ps(s1, _mm512_set1_ps(xt.dx_sum8(r, b)), low[r]);
+      for (int r = 0; r < R; ++r) low[r] = KV::fmadd(s1, KV::set1(xt.dx_sum8(r, b)), low[r]);
   }
-  for (int r = 0; r < R; ++r)
-    _mm512_storeu_ps(y + r * ldy, six ? acc[r] : _mm512_fnmadd_ps(low[r], _mm512_set1_ps(0.125f), acc[r]));
+  for (int r = 0; r < R; ++r) KV::store(y + r * ldy, six ? acc[r] : KV::fnmadd(low[r], KV::set1(0.125f), acc[r]));
 }
-
-#else
-// The 256-bit tile: 8 weight rows by up to 4 rows of x. Without VNNI, vpmaddubsw's int16 pair sums
-// add up over G chunks before vpmaddwd widens them (|sum| <= 2 G max|q| 255 < 2^15: Q4_K G = 4,
-// Q5_K 2, Q6_K 2 with x + 128 up to 255 and |q - 32| <= 32); the same integer dots either way.
-template <class T, int R>
-inline void kquant_tile(const QuantizedX& x, int64_t r0, const uint8_t* panel, float* y, int64_t ldy) {
-  constexpr bool six = !T::has_min;
-  constexpr int G = std::is_same_v<T, TraitsQ4_K> ? 4 : 2;  // chunks summed in int16 (no VNNI)
-  const TileX xt(x, r0);
-  const __m256i flip = _mm256_set1_epi8(char(0x80));
-  __m256 acc[R], low[R];
-  for (int r = 0; r < R; ++r) acc[r] = low[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < xt.nb; ++b) {
-    const __m256 s0 = _mm256_loadu_ps(panel_scales(panel, b)), s1 = _mm256_loadu_ps(panel_scales(panel, b) + 8);
-    for (int h = 0; h < (six ? 2 : 1); ++h) {  // Q6_K: each half with its scale
-      __m256i dot[R];
-      const __m256i init = six ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel_w16(panel, b, h)))
-                               : _mm256_setzero_si256();
-      for (int r = 0; r < R; ++r) dot[r] = init;
-      constexpr int chunks = six ? 4 : 8;
-#if QWEN35_VNNI
-#pragma GCC unroll 8
-      for (int c = h * chunks; c < (h + 1) * chunks; ++c) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel_quants(panel, b, c)));
-        for (int r = 0; r < R; ++r) {
-          const __m256i xv = _mm256_set1_epi32(xt.quad(r, b, c));
-          dot[r] = six ? dpbusd(dot[r], _mm256_xor_si256(xv, flip), w) : dpbusd(dot[r], w, xv);
-        }
-      }
-#else
-      const __m256i ones = _mm256_set1_epi16(1);
-      for (int c0 = h * chunks; c0 < (h + 1) * chunks; c0 += G) {
-        __m256i p16[R];
-        for (int r = 0; r < R; ++r) p16[r] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-        for (int c = c0; c < c0 + G; ++c) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel_quants(panel, b, c)));
-          for (int r = 0; r < R; ++r) {
-            const __m256i xv = _mm256_set1_epi32(xt.quad(r, b, c));
-            p16[r] = _mm256_add_epi16(p16[r], six ? _mm256_maddubs_epi16(_mm256_xor_si256(xv, flip), w)
-                                                  : _mm256_maddubs_epi16(w, xv));
-          }
-        }
-        for (int r = 0; r < R; ++r) dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(p16[r], ones));
-      }
-#endif
-      const __m256 scale = six && h == 1 ? s1 : s0;
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(scale, _mm256_set1_ps(xt.dx(r, b))), acc[r]);
-    }
-    if constexpr (!six)  // the mins: dmin m times sum(xq) dx (sum8 holds 8 sum(xq))
-      for (int r = 0; r < R; ++r) low[r] = _mm256_fmadd_ps(s1, _mm256_set1_ps(xt.dx_sum8(r, b)), low[r]);
-  }
-  for (int r = 0; r < R; ++r)
-    _mm256_storeu_ps(y + r * ldy, six ? acc[r] : _mm256_fnmadd_ps(low[r], _mm256_set1_ps(0.125f), acc[r]));
-}
-#endif
 
 template <class T>
 inline void kquant_tiles(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y,
