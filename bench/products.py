@@ -56,7 +56,7 @@ def in_huge_pages(tensors) -> list[torch.Tensor]:
 def weights_in(fmt, shapes) -> list[torch.Tensor]:
     """Random weights of `shapes` in `fmt`'s storage, in one huge-page buffer (in_huge_pages)."""
     g = torch.Generator().manual_seed(0)
-    if fmt.block == 256:  # a K-quant: random bytes, the fp16 scales (byte 0 on; Q6_K's at 208) made small
+    if fmt in KQUANTS.values():  # a K-quant: random bytes, the fp16 scales (byte 0 on; Q6_K's at 208) made small
         def random_rows(n, k):
             raw = torch.randint(0, 256, (n * k // 256, fmt.block_bytes), dtype=torch.uint8, generator=g)
             scales = torch.full((raw.shape[0], 1), 1e-3, dtype=torch.float16).view(torch.uint8)

@@ -230,8 +230,9 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
     compact = weight.dtype != x.dtype  # a compact format (lm/formats): F.linear cannot read it
     how = prefill_compute(compute, (weight, fmt), x) if rows > MAX_ROWS else "fp32"
     if how == "int8":
-        # Q8_0 / Q4_0 weights in prefill: integer products, no float32 copy, on AMX tiles where there
-        # are some (amx_linear.cpp), else the int8 dot products (int8_dot.h)
+        # Q8_0 / Q4_0 / K-quant weights in prefill: integer products, no float32 copy, Q8_0 / Q4_0 on
+        # AMX tiles where there are some (amx_linear.cpp), else the int8 dot products (int8_dot.h;
+        # K-quants: kquant_tiles.h)
         k = _kernels()
         product = k.amx_int8_linear if int8_on_tiles(compute, k, fmt) else k.int8_linear
         y = product(x.reshape(rows, x.shape[-1]).contiguous(), _arg(weight, fmt))
@@ -414,8 +415,8 @@ def release_openmp_workers() -> None:
 
 def set_int8_activations(on: bool) -> None:
     """Q8_0 / Q4_0 / K-quant products with the activations rounded to Q8_0 blocks and integer dot
-    products (on, the default; kernels/int8_dot.h states the error; K-quants: decode rows only,
-    kquant_dot.h), or with float32 activations (off: equal to dequantize-then-matmul up to float32
+    products (on, the default; kernels/int8_dot.h states the error; K-quants: kquant_dot.h,
+    kquant_tiles.h), or with float32 activations (off: equal to dequantize-then-matmul up to float32
     rounding). Decode: ~2x faster on AVX2. Prefill
     (`linear` of more than MAX_ROWS rows, the routed experts of expert_mlp): the weights are read
     as they are instead of converted to float32 for MKL's SGEMM, 1.7-2.5x faster on the GEMMs."""
