@@ -198,15 +198,21 @@ def _penalise(scores: torch.Tensor, p: SamplingParams, prompt: list[int], output
 @dataclass(frozen=True)
 class TokenRule:
     """A constraint on one sampled token: only the ids in `allow` (when given) and those `mask` (a bool
-    [V] tensor, when given) keeps, never those in `ban`. The serving engine asks a request's rule
-    before each of its tokens (e.g. the server's tool_choice, a JSON schema)."""
+    [V] tensor, when given) or `bits` (the same as packed int32 words, when given) keep, never those
+    in `ban`. The serving engine asks a request's rule before each of its tokens (e.g. the server's
+    tool_choice, a JSON schema). `bits` is the grammar libraries' layout (token t is allowed when
+    bit t % 32 of word t // 32 is set): a grammar's rule hands its bitmask over as it is, and one
+    kernel pass applies it (lm/kernels/token_bits.cpp; unpacking it into `mask` costs 2-3 passes)."""
 
     allow: tuple[int, ...] | None = None
     ban: tuple[int, ...] = ()
     mask: torch.Tensor | None = None
+    bits: torch.Tensor | None = None
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] with every excluded token at -inf."""
+        if self.bits is not None:
+            logits = apply_token_bits(logits, self.bits)
         if self.mask is not None:
             logits = logits.masked_fill(~self.mask[: logits.shape[-1]], float("-inf"))
         if self.allow is not None:
@@ -218,6 +224,31 @@ class TokenRule:
             logits = logits.clone()
             logits[torch.tensor(self.ban, device=logits.device)] = float("-inf")
         return logits
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def pack_tokens(mask: torch.Tensor) -> torch.Tensor:
+    """A bool [V] mask as int32 words [ceil(V / 32)] (TokenRule.bits' layout)."""
+    words = -(-mask.shape[-1] // 32)
+    padded = torch.zeros(words * 32, dtype=torch.int64)
+    padded[: mask.shape[-1]] = mask.to(torch.int64)
+    packed = (padded.view(words, 32) << _SHIFTS.to(torch.int64)).sum(1)
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
+def unpack_tokens(bits: torch.Tensor, size: int) -> torch.Tensor:
+    """int32 words (TokenRule.bits' layout) as a bool [size] mask."""
+    return ((bits[:, None] >> _SHIFTS) & 1).bool().reshape(-1)[:size]
+
+
+def apply_token_bits(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """logits [V] (a new tensor) with -inf where `bits` (TokenRule.bits' layout) has a clear bit: one
+    kernel pass on float32 CPU logits, else the reference (unpack, then masked_fill)."""
+    if logits.is_cpu and logits.dtype == torch.float32 and (k := kernels._kernels()) is not None:
+        return k.apply_token_bits(logits, bits)
+    return logits.masked_fill(~unpack_tokens(bits, logits.shape[-1]).to(logits.device), float("-inf"))
 
 
 def _candidates(scores: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -10,7 +10,8 @@ a request's rule says which tokens may come next): structured outputs and a thin
   enforce, so they are masked out (compact JSON has no other place for them). Nor may a token write
   a UTF-16 surrogate (U+D800-U+DFFF) in UTF-8 form (bytes ED A0-BF xx; see `Surrogates`): that is no
   valid UTF-8, but xgrammar's character classes count one as a character, so a string would decode
-  to replacement characters past its maxLength. Once the grammar is complete, only the end of
+  to replacement characters past its maxLength. A schema with a keyword xgrammar would not enforce
+  is refused (mm/schema_check.py). Once the grammar is complete, only the end of
   the turn may follow. With thinking on, the thinking is free and the grammar applies from the
   first token after `</think>`; nothing constrained lands in the reasoning.
 - A thinking budget (`SamplingParams.thinking_budget`): after that many thinking tokens, the
@@ -32,7 +33,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from lm.sampling import SamplingParams, TokenRule
+from lm.sampling import SamplingParams, TokenRule, pack_tokens, unpack_tokens
+
+from .schema_check import unenforced
 
 THINK_END = "</think>"
 BUDGET_CLOSING = ("\n\nConsidering the limited time by the user, I have to give the solution based on the thinking "
@@ -125,6 +128,8 @@ class Grammars:
 
     def _compiled(self, field: str, source: str):
         """`source` compiled as a "json_schema" (compact JSON), "regex" or "grammar" (EBNF)."""
+        if field == "json_schema" and (reason := unenforced(json.loads(source))) is not None:
+            raise ConstraintError(f"json_schema: {reason}")
         compiler = self.compiler()
         try:
             if field == "json_schema":
@@ -158,11 +163,12 @@ class GrammarState:
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         if surrogates is not None and bool(surrogates.inside.any()):
             banned = surrogates.inside if banned is None else banned | surrogates.inside
-        self.keep = None if banned is None else ~banned  # tokens the grammar may allow
+        self.vocab_size = vocab_size
+        # the masks as packed words (the bitmask's layout): each token costs a few word-wise ANDs
+        self.keep = None if banned is None else pack_tokens(~banned)  # tokens the grammar may allow
+        self.not_high = None if surrogates is None else pack_tokens(~surrogates.high)
         self.surrogates = surrogates
         self.after_lead = False  # the last token ended in byte ED
-        shifts = torch.arange(32, dtype=torch.int32)
-        self._unpack = lambda words: ((words[:, None] >> shifts) & 1).bool().reshape(-1)[:vocab_size]
 
     @property
     def done(self) -> bool:
@@ -174,17 +180,21 @@ class GrammarState:
             raise ConstraintError(f"token {token} does not fit the grammar")  # only a rule-less pick could
         self.after_lead = self.surrogates is not None and token in self.surrogates.lead
 
-    def mask(self) -> torch.Tensor:
-        """The bool [V] mask of the next token: the grammar's (its end as the stop tokens), less the banned."""
+    def bits(self) -> torch.Tensor:
+        """The next token's mask as int32 words (TokenRule.bits' layout, a new tensor): the grammar's
+        (its end as the stop tokens), less the banned."""
         self.matcher.fill_next_token_bitmask(self.bitmask)
-        mask = self._unpack(self.bitmask[0])
-        if self.keep is not None:
-            mask &= self.keep
+        filled = self.bitmask[0]
+        bits = filled if self.keep is None else filled & self.keep
         if self.after_lead:  # ED then A0-BF is a surrogate
-            mask &= ~self.surrogates.high
-        if not bool(mask.any()):
+            bits = bits & self.not_high
+        if not bool(bits.any()):
             raise ConstraintError("the grammar admits no next token")
-        return mask
+        return bits.clone() if bits is filled else bits
+
+    def mask(self) -> torch.Tensor:
+        """The bool [V] mask of the next token (`bits` unpacked)."""
+        return unpack_tokens(self.bits(), self.vocab_size)
 
 
 class GrammarRule:
@@ -210,7 +220,7 @@ class GrammarRule:
             return None
         if self.state.done:
             return TokenRule(allow=self.end_ids)
-        return TokenRule(mask=self.state.mask())
+        return TokenRule(bits=self.state.bits())
 
 
 class BudgetRule:

@@ -44,6 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // lm.kernels.release_openmp_workers says why. 0 on success, -1 inside a parallel region.
   m.def("release_openmp_workers", [] { return omp_pause_resource_all(omp_pause_soft); });
   m.def("argmax_rows", &argmax_rows, "argmax of each row of a float32 [B, V] tensor (argmax's rules)");
+  m.def("apply_token_bits", &apply_token_bits, "logits with -inf where a packed token bitmask's bit is clear (a new tensor)");
   m.def("causal_conv", &causal_conv, "depthwise causal conv + SiLU along time, one pass (prefill)");
   m.def("bf16_attention", &bf16_attention, "softmax(scale q k^T) v of bf16 q [B, T, H, D], k, v [B, L, KV, D] (AVX512-BF16)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("causal") = false);

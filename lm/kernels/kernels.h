@@ -87,6 +87,8 @@ bool bf16_attention_built();
 int64_t argmax(at::Tensor x);
 // ... of each row of a float32 [B, V] tensor
 std::vector<int64_t> argmax_rows(at::Tensor x);
+// a constrained token's packed bitmask (bit t % 32 of word t / 32) applied: the others' logits -inf
+at::Tensor apply_token_bits(at::Tensor logits, at::Tensor bits);
 
 // A whole decode step through the layer stack, one token per row (decode_step.cpp). lm/decode.py
 // adds the layers' weights once per generation, in layer order: each layer's mixer (add_deltanet or

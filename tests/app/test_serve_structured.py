@@ -91,6 +91,8 @@ def test_json_object_and_the_reasoning_token_count(url, pipeline):
     ({"response_format": _json_schema({"type": "strin"})}, "response_format", 'Unsupported type "strin"'),
     ({"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema.schema"),
     ({"response_format": {"type": "xml"}}, "response_format", "response_format.type"),
+    ({"response_format": _json_schema({"type": "array", "items": {"type": "integer"}, "uniqueItems": True})},
+     "response_format", "uniqueItems at # is not enforced"),
     ({"thinking_budget": -1}, "thinking_budget", "thinking_budget"),
     ({"response_format": _json_schema({"type": "object"}), "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]},

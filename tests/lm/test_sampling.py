@@ -89,6 +89,28 @@ def test_token_rule_allows_and_bans():
     assert TokenRule(allow=(3,)).apply(logits).isinf().sum() == 3
 
 
+@pytest.mark.parametrize("cpu_kernels", ["0", "1"])  # the reference (unpack, masked_fill), the kernel's pass
+def test_token_rule_bits_keep_exactly_the_set_bits(monkeypatch, cpu_kernels):
+    """A rule's packed bitmask (bit t % 32 of word t // 32) keeps the logits of exactly its set bits
+    and puts -inf elsewhere, as the same bool mask does, over a vocabulary that is no multiple of 32,
+    with words all set, all clear and mixed; pack_tokens / unpack_tokens are each other's inverse."""
+    from lm.sampling import TokenRule, pack_tokens, unpack_tokens
+
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", cpu_kernels)
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(1000, generator=generator)
+    mask = torch.rand(1000, generator=generator) < 0.5
+    mask[:64], mask[64:128], mask[992:] = True, False, True  # whole words set and clear, a cut last word
+    bits = pack_tokens(mask)
+    assert bits.dtype == torch.int32 and bits.shape == (32,) and bool((bits[:2] == -1).all()) and bits[2:4].eq(0).all()
+    assert torch.equal(unpack_tokens(bits, 1000), mask)
+    expected = logits.masked_fill(~mask, float("-inf"))
+    assert torch.equal(TokenRule(bits=bits).apply(logits), expected)
+    assert torch.equal(TokenRule(mask=mask).apply(logits), expected)
+    assert torch.equal(TokenRule(bits=bits, ban=(0,)).apply(logits)[1:], expected[1:])
+    assert torch.equal(logits, torch.randn(1000, generator=torch.Generator().manual_seed(0)))  # not in place
+
+
 def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]]))
     sampler = Sampler([SamplingParams(temperature=1.0, seed=0)], [[]])

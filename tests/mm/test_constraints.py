@@ -1,9 +1,10 @@
 """Structured outputs and the thinking budget (mm/constraints.py) on the built-in model: random
 weights, so the grammar alone makes every output valid. Their strings are bounded (`maxLength`) and
 their thinking ended by a budget: random weights close neither by themselves, a property of
-grammar-constrained decoding. SCHEMA's name and tags carry their bound in their `pattern` too: beside a
-pattern, xgrammar drops minLength / maxLength. Non-ASCII characters in bounded strings (valid UTF-8,
-counted in code points): tests/mm/test_constraints_utf8.py."""
+grammar-constrained decoding. SCHEMA's name and tags carry their bound in their `pattern` (beside a
+pattern, xgrammar would drop maxLength, so such a schema is refused: tests/mm/test_schema_check.py).
+Non-ASCII characters in bounded strings (valid UTF-8, counted in code points):
+tests/mm/test_constraints_utf8.py."""
 
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ from mm.default_model import default_model_path
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 12, "pattern": "^[a-z ]{0,12}$"},
+        "name": {"type": "string", "pattern": "^[a-z ]{0,12}$"},
         "age": {"type": "integer"},
         "score": {"type": "number"},
         "ok": {"type": "boolean"},
         "color": {"enum": ["red", "green", "blue"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6, "pattern": "^[a-z]{0,6}$"}, "maxItems": 3},
+        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{0,6}$"}, "maxItems": 3},
         "place": {"type": "object", "properties": {"x": {"type": "integer"}, "label": {"type": "string", "maxLength": 4}},
                   "required": ["x"], "additionalProperties": False},
     },

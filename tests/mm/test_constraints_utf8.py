@@ -15,6 +15,7 @@ import pytest
 import xgrammar
 
 from lm import SamplingParams
+from lm.sampling import unpack_tokens
 from mm.constraints import Grammars
 from mm.tokenizer_files import MODEL_VOCAB_SIZE, TOKENIZER_SPECIAL_TOKENS
 
@@ -67,11 +68,12 @@ def _walk(grammars: Grammars, schema: dict, rng: random.Random, byte_token: dict
             character = _character(rng)
             aim = [byte_token[b] for b in character]
             counts["surrogates aimed at"] += character[:1] == b"\xed" and character[1] >= 0xA0
-        if aim and bool(step.mask[aim[0]]):
+        allowed = unpack_tokens(step.bits, MODEL_VOCAB_SIZE)
+        if aim and bool(allowed[aim[0]]):
             tokens.append(aim.pop(0))
         else:  # not allowed here (a surrogate, or the string is full): a random pick instead
             aim = []
-            token = rng.choice(step.mask.nonzero().flatten().tolist())
+            token = rng.choice(allowed.nonzero().flatten().tolist())
             if token in END_IDS:  # the end of the turn, once the grammar may end
                 return tokens
             tokens.append(token)
@@ -98,7 +100,7 @@ def test_a_surrogate_is_masked_where_a_valid_character_is_not(grammars, byte_tok
     would make a surrogate."""
     rule = grammars.rule(SamplingParams(json_schema={"type": "string", "maxLength": 2}), in_thinking=False,
                          think_end=None)  # fmt: skip
-    mask = rule([byte_token[ord('"')], byte_token[0xED]]).mask
+    mask = unpack_tokens(rule([byte_token[ord('"')], byte_token[0xED]]).bits, MODEL_VOCAB_SIZE)
     assert all(mask[byte_token[b]] for b in range(0x80, 0xA0))
     assert not any(mask[byte_token[b]] for b in range(0xA0, 0xC0))
-    assert rule([byte_token[b] for b in '"한'.encode()]).mask[byte_token[ord('"')]]
+    assert unpack_tokens(rule([byte_token[b] for b in '"한'.encode()]).bits, MODEL_VOCAB_SIZE)[byte_token[ord('"')]]
