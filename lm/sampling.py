@@ -146,6 +146,22 @@ class Sampler:
         return picks
 
 
+    def distribution(self, logits: torch.Tensor, row: int, output: list[int]) -> torch.Tensor:
+        """The probabilities [V] a sampled row's next token is drawn from after logits [V] and its
+        tokens so far (`output`): the bias and penalties, the temperature, top-k / top-p / min-p, as
+        in __call__ (speculative sampling compares two of them: lm/serving/speculative.py)."""
+        p = self.params[row]
+        scores = _penalise(logits.float(), p, self.prompts[row], output)
+        candidates, probs = _candidates(scores / p.temperature, p)
+        if candidates is None:
+            return probs
+        return torch.zeros_like(scores).index_put_((candidates,), probs)
+
+    def draw(self, probs: torch.Tensor, row: int) -> int:
+        """A token drawn from probs [V] with the row's generator."""
+        return int(torch.multinomial(probs, 1, generator=self.generators[row]))
+
+
 def argmax(scores: torch.Tensor) -> int:
     """`int(scores.argmax())` of a 1-D tensor: the first largest, a NaN before any number. On CPU
     through the kernels' argmax (lm/kernels/argmax.cpp), else numpy's vectorised one, which have

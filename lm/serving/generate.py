@@ -52,8 +52,10 @@ def stream_generate(
     `inputs_embeds` [B, T, hidden] replaces the token embeddings (e.g. with vision features fused in);
     `positions` [3, B, T] are the prompt's mRoPE positions (default: text positions).
     `stop_when(row, tokens)` may end a row early (e.g. on a stop string); it finishes with "stop".
-    A model loaded with its MTP layer (`lm.num_speculative_tokens` > 0) decodes greedy batches
-    speculatively (speculative.py), with the same tokens; `stats` then counts its drafts.
+    A model loaded with its MTP layer (`lm.num_speculative_tokens` > 0) decodes speculatively
+    (speculative.py): greedy rows give the same tokens, sampled ones tokens of the same distribution
+    (speculative sampling); rows with logprobs or constraints decode token by token (said once).
+    `stats` then counts its drafts.
     """
     try:
         if lm.num_speculative_tokens and (why := _no_speculation(_row_params(params, len(input_ids)))) is not None:
@@ -114,8 +116,8 @@ def _row_params(params: SamplingParams | list[SamplingParams], b: int) -> list[S
 
 def _no_speculation(params: list[SamplingParams]) -> str | None:
     """Why speculative decoding cannot run this generation, or None."""
-    if any(not p.greedy or p.logprobs is not None or p.constrained for p in params):
-        return "sampling, logprobs or constraints (it drafts for greedy decoding)"
+    if any(p.logprobs is not None or p.constrained for p in params):
+        return "logprobs or constraints"
     return None
 
 

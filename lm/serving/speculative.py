@@ -1,4 +1,4 @@
-"""Greedy speculative decoding with the checkpoint's MTP layer (lm/mtp.py).
+"""Speculative decoding with the checkpoint's MTP layer (lm/mtp.py), greedy or sampled.
 
 A step, with `next` the last picked token (not yet in the caches) and K drafts:
 1. draft: the MTP layer takes the main model's hidden states of the tokens committed since the last
@@ -7,11 +7,19 @@ A step, with `next` the last picked token (not yet in the caches) and K drafts:
    committed tokens are dropped at once (`Cache.truncate`): the next step rewrites them from the
    main model's hidden states.
 2. verify: one forward of the main model over [next, d1..dK] gives K + 1 pickings.
-3. accept the longest prefix of drafts equal to the main model's own picks, plus the main model's
-   pick after it: 1 to K + 1 new tokens per forward, the same tokens as greedy decoding without
-   drafts (the picks go through the same `Sampler`, so penalties apply token by token). The logits
-   are the same maths; a forward of K + 1 tokens rounds differently from K + 1 one-token steps
-   (~1e-6 relative in float32), which could only turn an exact tie.
+3. accept. Greedy rows: the longest prefix of drafts equal to the main model's own picks, plus the
+   main model's pick after it: 1 to K + 1 new tokens per forward, the same tokens as greedy
+   decoding without drafts (the picks go through the same `Sampler`, so penalties apply token by
+   token). The logits are the same maths; a forward of K + 1 tokens rounds differently from K + 1
+   one-token steps (~1e-6 relative in float32), which could only turn an exact tie. Sampled rows
+   (temperature > 0): each draft d_j was drawn from q_j, the row's sampling distribution over the
+   MTP layer's logits (its temperature, top-k / top-p / min-p and penalties, `Sampler.distribution`);
+   with p_j the same over the main model's logits, d_j is kept with probability
+   min(1, p_j(d_j) / q_j(d_j)); the first one rejected is replaced by a token drawn from
+   max(0, p_j - q_j), renormalised, and when all K are kept one more is drawn from p_{K+1}
+   (`speculative_pick`: standard speculative sampling, whose tokens are distributed as p exactly).
+   With a seed the tokens are reproducible, but not the same ones as without drafts: the generator
+   is drawn from in another order.
 4. rollback (`Cache.commit`): the verify forward kept each DeltaNet layer's state after every one of
    its tokens (lm/delta_rule.stepwise_gated_delta_rule) and the conv's inputs; the state after the
    last accepted token is copied back and the KV positions after it are zeroed. Cost per step: K
@@ -20,8 +28,8 @@ A step, with `next` the last picked token (not yet in the caches) and K drafts:
    DeltaNet run token by token, and no weight read twice.
 
 Each row of a batch accepts its own drafts; the KV positions that one row rejected while another
-accepted stay in it as masked holes, as left padding does. Greedy rows only (plain or with
-penalties); stream_generate says once when it cannot apply.
+accepted stay in it as masked holes, as left padding does. Rows with logprobs or a constraint do not
+draft; stream_generate says once when it cannot apply.
 """
 
 from __future__ import annotations
@@ -70,27 +78,40 @@ class _Rows:
 
 
 def draft(lm: CausalLM, mtp_cache: Cache, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-          mask: torch.Tensor, k: int, next_positions: list[int]) -> list[list[int]]:  # fmt: skip
-    """Each row's k greedy drafts after its token at `next_positions`. embeds [B, T, H]: the
-    embeddings of the tokens committed since the last draft (the last one being the token at
-    `next_positions`); hidden [B, T, H]: the main model's hidden states of the tokens before each;
-    positions [3, B, T] those tokens' positions; mask [B, T] 0 on left padding. Leaves `mtp_cache`
-    holding the committed positions only."""
+          mask: torch.Tensor, k: int, next_positions: list[int],
+          pick: Callable[[int, torch.Tensor], int] | None = None) -> list[list[int]]:  # fmt: skip
+    """Each row's k drafts after its token at `next_positions`, `pick(row index, logits [V])` each
+    (default: the argmax). embeds [B, T, H]: the embeddings of the tokens committed since the last
+    draft (the last one being the token at `next_positions`); hidden [B, T, H]: the main model's
+    hidden states of the tokens before each; positions [3, B, T] those tokens' positions; mask
+    [B, T] 0 on left padding. Leaves `mtp_cache` holding the committed positions only."""
     mtp, rotary = lm.mtp, lm.model.rotary_emb
+    pick = pick or (lambda i, logits: argmax(logits))
     g = mtp(embeds, hidden, rotary(positions, embeds.dtype), mtp_cache, mask)[:, -1:]  # [B, 1, H]
     committed = mtp_cache.length
-    drafts = [_argmaxes(lm.lm_head(g[:, -1]))]
+    drafts = [[pick(i, row) for i, row in enumerate(lm.lm_head(g[:, -1]).float())]]
     after = torch.tensor(next_positions, device=g.device)
     for j in range(1, k):
         pos = (after + j - 1)[None, :, None].expand(3, -1, 1)
         g = mtp(lm.embed(torch.tensor(drafts[-1], device=g.device)[:, None]), g, rotary(pos, g.dtype), mtp_cache)
-        drafts.append(_argmaxes(lm.lm_head(g[:, -1])))
+        drafts.append([pick(i, row) for i, row in enumerate(lm.lm_head(g[:, -1]).float())])
     mtp_cache.truncate(committed)
     return [list(row) for row in zip(*drafts)]
 
 
-def _argmaxes(logits: torch.Tensor) -> list[int]:
-    return [argmax(row) for row in logits.float()]
+def speculative_pick(p: torch.Tensor, q: torch.Tensor, drafted: int,
+                     generator: torch.Generator | None = None) -> tuple[int, bool]:  # fmt: skip
+    """One position of speculative sampling: `drafted` was drawn from q [V]; it is kept with
+    probability min(1, p[d] / q[d]) (u q[d] < p[d] for u uniform in [0, 1)), else a token is drawn
+    from max(0, p - q) renormalised. The token returned is distributed as p, whatever q is.
+    Returns (token, kept)."""
+    u = float(torch.rand((), dtype=torch.float64, generator=generator))
+    if u * float(q[drafted]) < float(p[drafted]):
+        return drafted, True
+    residual = (p - q).clamp(min=0)
+    if not bool(residual.sum() > 0):  # p <= q everywhere: only rounding rejects then; p is the law
+        residual = p
+    return int(torch.multinomial(residual, 1, generator=generator)), False
 
 
 def generate_speculative(lm: CausalLM, input_ids: torch.Tensor, params: list[SamplingParams], *,
@@ -98,7 +119,7 @@ def generate_speculative(lm: CausalLM, input_ids: torch.Tensor, params: list[Sam
                          positions: torch.Tensor | None, eos_token_ids: tuple[int, ...], prefill_chunk: int,
                          max_len: int | None, stop_when: Callable[[int, list[int]], bool] | None,
                          stats: SpeculativeStats) -> Iterator[tuple[int, int, str | None]]:  # fmt: skip
-    """Greedy generation of a left-padded batch (input_ids [B, T], attention_mask [B, T];
+    """Generation of a left-padded batch (input_ids [B, T], attention_mask [B, T];
     `inputs_embeds` [B, T, H] and mRoPE `positions` [3, B, T] optional) drafting
     `lm.num_speculative_tokens` tokens per step; yields (row, token, finish reason or None). Each
     row accepts its own drafts; the KV positions a row rejected while another accepted stay in
@@ -146,16 +167,30 @@ def _step(lm: CausalLM, cache: Cache, mtp_cache: Cache, rows: _Rows, sampler: Sa
     """One draft (k tokens; none when k = 0) and verify step; each row's new tokens."""
     device = rows.hidden.device
     drafts: list[list[int]] = [[] for _ in rows.ids]
+    qs: list[list[torch.Tensor]] = [[] for _ in rows.ids]  # each sampled row's draft distributions
     if k > 0:
+
+        so_far: list[list[int]] = [[] for _ in rows.ids]  # each row's drafts of this step, as they come
+
+        def pick(i: int, logits: torch.Tensor) -> int:  # greedy rows: the argmax; sampled ones: drawn from q
+            row = rows.ids[i]
+            if sampler.params[row].greedy:
+                token = argmax(logits)
+            else:
+                qs[i].append(q := sampler.distribution(logits, row, outputs[row] + so_far[i]))
+                token = sampler.draw(q, row)
+            so_far[i].append(token)
+            return token
+
         embeds = torch.cat([rows.embeds, lm.embed(torch.tensor(rows.tokens, device=device)[:, None])], dim=1)
-        drafts = draft(lm, mtp_cache, embeds, rows.hidden, rows.positions, rows.mask, k, rows.next_positions)
+        drafts = draft(lm, mtp_cache, embeds, rows.hidden, rows.positions, rows.mask, k, rows.next_positions, pick)
         cache.begin_verify()
     ids = torch.tensor([[token, *d] for token, d in zip(rows.tokens, drafts)], device=device)  # [B, k + 1]
     steps = torch.arange(ids.shape[1], device=device)
     pos = (torch.tensor(rows.next_positions, device=device)[:, None] + steps)[None].expand(3, -1, -1)
     hidden = lm.hidden_states(ids, positions=pos, cache=cache)  # [B, k + 1, H]
     logits = lm.lm_head(hidden)  # [B, k + 1, V]
-    news = [_accept(sampler, logits[i], row, outputs[row], drafts[i]) for i, row in enumerate(rows.ids)]
+    news = [_accept(sampler, logits[i], row, outputs[row], drafts[i], qs[i]) for i, row in enumerate(rows.ids)]
     if k > 0:
         cache.commit([len(new) for new in news])
         stats.steps += 1
@@ -165,10 +200,20 @@ def _step(lm: CausalLM, cache: Cache, mtp_cache: Cache, rows: _Rows, sampler: Sa
     return news
 
 
-def _accept(sampler: Sampler, logits: torch.Tensor, row: int, output: list[int], drafts: list[int]) -> list[int]:
-    """The main model's picks from logits [k + 1, V] of [token, *drafts], up to its first pick that
-    differs from the draft it verifies: the accepted drafts, then its own pick after them."""
+def _accept(sampler: Sampler, logits: torch.Tensor, row: int, output: list[int], drafts: list[int],
+            qs: list[torch.Tensor]) -> list[int]:  # fmt: skip
+    """The main model's tokens from logits [k + 1, V] of [token, *drafts]: the accepted drafts, then
+    a token of its own. Greedy: its picks up to the first that differs from the draft it verifies.
+    Sampled (`qs`: the distributions the drafts were drawn from): speculative_pick per draft."""
     new: list[int] = []
+    if not sampler.params[row].greedy:
+        for j, (d, q) in enumerate(zip(drafts, qs)):
+            token, kept = speculative_pick(sampler.distribution(logits[j], row, output + new), q, d,
+                                           sampler.generators[row])  # fmt: skip
+            new.append(token)
+            if not kept:
+                return new
+        return [*new, sampler.draw(sampler.distribution(logits[len(drafts)], row, output + new), row)]
     for j in range(len(drafts) + 1):
         new.append(sampler(logits[j : j + 1], [row], {row: output + new})[0])
         if j == len(drafts) or new[-1] != drafts[j]:

@@ -169,8 +169,8 @@ def _forced_drafts(monkeypatch, truth: list[list[int]], prompt_ends: list[int], 
     step, the number of drafts and the rows drafted for."""
     real, counts = speculative.draft, []
 
-    def forced(lm, mtp_cache, embeds, hidden, positions, mask, k, next_positions):
-        real(lm, mtp_cache, embeds, hidden, positions, mask, k, next_positions)
+    def forced(lm, mtp_cache, embeds, hidden, positions, mask, k, next_positions, pick=None):
+        real(lm, mtp_cache, embeds, hidden, positions, mask, k, next_positions)  # greedy rows: no pick to record
         drafts, rows = [], []
         for i, at in enumerate(next_positions):
             row = next(r for r, (out, end) in enumerate(zip(truth, prompt_ends))  # the row whose token at `at`
@@ -293,13 +293,85 @@ def test_drafting_leaves_the_mtp_cache_with_the_committed_positions_only(mtp_che
     assert all(torch.equal(a, b) for a, b in zip(_states(cache), _states(fresh)))
 
 
-def test_sampling_decodes_without_drafts(mtp_checkpoint):
+def test_logprobs_decode_without_drafts_and_say_so_once(monkeypatch, mtp_checkpoint, capsys):
+    """A row asking for logprobs decodes token by token (the same tokens as without MTP), said once."""
+    from lm.kernels import compute
+
+    monkeypatch.setattr(compute, "_said", set())
     path = mtp_checkpoint("moe_text")
     plain, lm = mm.load_model(path).lm, mm.load_model(path, speculative="mtp").lm
-    stats = SpeculativeStats()
-    sampled = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
-    assert generate(lm, PROMPT, sampled, stats=stats) == generate(plain, PROMPT, sampled)
+    stats, asked = SpeculativeStats(), SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, logprobs=2)
+    assert generate(lm, PROMPT, asked, stats=stats) == generate(plain, PROMPT, asked)
     assert stats.steps == stats.drafted == 0
+    generate(lm, PROMPT, asked)
+    assert capsys.readouterr().err.count("speculative decoding does not apply to logprobs or constraints") == 1
+
+
+CHI2_7_DOF = 24.32  # chi-square bound at p = 0.001 for 7 degrees of freedom (8 tokens)
+CHI2_4_DOF = 18.47  # ... for 4
+
+
+def _chi2(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson's statistic of `counts` against `expected` counts (cells with none expected left out)."""
+    cells = expected > 0
+    return float(((counts[cells] - expected[cells]) ** 2 / expected[cells]).sum())
+
+
+def _homogeneity(a: list[int], b: list[int], tokens: list[int]) -> float:
+    """The chi-square statistic of two samples over `tokens` (same law?); dof len(tokens) - 1."""
+    table = torch.tensor([[a.count(t), b.count(t)] for t in tokens], dtype=torch.float64)
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    return _chi2(table.flatten(), expected.flatten())
+
+
+def test_speculative_pick_keeps_a_draft_with_probability_min_1_p_over_q():
+    """The acceptance probability is min(1, p(d) / q(d)) for each draft d (within 4.5 binomial
+    standard deviations over 4,000 trials each), and a draft from q followed by the pick is
+    distributed as p (chi-square, 4 dof, under the p = 0.001 bound, fixed seed); the drafts
+    themselves (q) are far from p under the same test, so it can fail."""
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0], dtype=torch.float64)
+    q = torch.tensor([0.1, 0.4, 0.1, 0.1, 0.0, 0.3], dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    for d in (0, 1, 2, 3, 5):
+        kept = sum(speculative.speculative_pick(p, q, d, g)[1] for _ in range(4000))
+        rate = min(1.0, float(p[d] / q[d]))
+        assert abs(kept / 4000 - rate) <= 4.5 * (rate * (1 - rate) / 4000) ** 0.5 + 1e-9, (d, kept, rate)
+    n = 20000
+    drafts = torch.multinomial(q, n, replacement=True, generator=g).tolist()
+    picks = [speculative.speculative_pick(p, q, d, g)[0] for d in drafts]
+    counts = torch.bincount(torch.tensor(picks), minlength=6).double()
+    assert counts[5] == 0  # p gives it nothing, whatever q does
+    assert _chi2(counts, n * p) < CHI2_4_DOF
+    assert _chi2(torch.bincount(torch.tensor(drafts), minlength=6).double(), n * p) > 100 * CHI2_4_DOF
+
+
+@pytest.mark.slow
+def test_sampled_tokens_with_mtp_follow_the_distribution_without(monkeypatch, mtp_checkpoint):
+    """A tiny vocabulary (logit_bias leaves 8 tokens) at temperature 0.1: the 2nd and 3rd tokens
+    (the first two a verify decides, K = 2) of 2,000 seeded rows with MTP against 2,000 without:
+    the same law (chi-square homogeneity, 7 dof, under the p = 0.001 bound; fixed seeds, so the
+    test is deterministic); drafts are both kept and rejected; a greedy row in the same batch gives
+    the greedy tokens. Keeping every draft (q's law instead of p's) breaks the bound."""
+    path = mtp_checkpoint("moe_text")
+    plain, lm = mm.load_model(path).lm, mm.load_model(path, speculative="mtp", num_speculative_tokens=2).lm
+    tokens, n = list(range(40, 48)), 2000
+    bias = {t: -100.0 for t in range(512) if t not in tokens}
+    prompts = PROMPT.expand(n, -1)
+
+    def params(offset: int) -> list[SamplingParams]:
+        return [SamplingParams(max_new_tokens=3, temperature=0.1, seed=offset + s, logit_bias=bias) for s in range(n)]
+
+    greedy = SamplingParams(max_new_tokens=3)
+    stats = SpeculativeStats()
+    ours = generate(lm, prompts, [greedy, *params(0)[1:]], stats=stats)
+    theirs = generate(plain, prompts, params(10**6))
+    assert ours[0] == generate(plain, PROMPT, greedy)[0]
+    assert 0.1 < stats.acceptance < 0.9, stats
+    for at in (1, 2):
+        assert _homogeneity([o[at] for o in ours[1:]], [o[at] for o in theirs], tokens) < CHI2_7_DOF, at
+    monkeypatch.setattr(speculative, "speculative_pick", lambda p, q, d, g=None: (d, True))
+    wrong = generate(lm, prompts, params(0))
+    assert _homogeneity([o[1] for o in wrong], [o[1] for o in theirs], tokens) > CHI2_7_DOF
 
 
 def _left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
