@@ -63,6 +63,9 @@ class LinearSlot:
         # the conv's inputs (the window before the forward, then each token's), for Cache.commit
         self.steps: list[torch.Tensor] | None = None
         self.conv_inputs: torch.Tensor | None = None
+        # ... or, of a verify through the decode plan (lm/decode.py verify_logits), which leaves conv
+        # and recurrent as they were: each token's window and state after it, [B, T, ...] each
+        self.after: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Cache:
@@ -175,7 +178,8 @@ class Cache:
         dropped KV positions are zeroed and masked out. Positions that every row dropped are given
         back (the write position moves back); those that only some rows dropped stay as masked
         holes in those rows, as left padding is. Costs one copy of a row's DeltaNet states when it
-        drops tokens, nothing when it keeps all."""
+        drops tokens, nothing when it keeps all (after a verify through the decode plan: one copy
+        per row, the plan having left the cache's states as they were)."""
         start, total = self.verify_start, self.length - self.verify_start
         kept = [kept] * self.batch if isinstance(kept, int) else list(kept)
         if len(kept) != self.batch or not all(1 <= n <= total for n in kept):
@@ -184,10 +188,13 @@ class Cache:
             if isinstance(slot, LinearSlot):
                 window = slot.conv.shape[1]
                 for row, n in enumerate(kept):
-                    if n < total:
+                    if slot.after is not None:  # the plan's verify: the state after the last kept token
+                        slot.conv[row].copy_(slot.after[0][row, n - 1])
+                        slot.recurrent[row].copy_(slot.after[1][row, n - 1])
+                    elif n < total:
                         slot.recurrent[row].copy_(slot.steps[n - 1][row])
                         slot.conv[row].copy_(slot.conv_inputs[row, n : n + window])
-                slot.steps, slot.conv_inputs = None, None
+                slot.steps, slot.conv_inputs, slot.after = None, None, None
         self.verify_start = None
         for row, n in enumerate(kept):
             self._drop_positions(start + n, rows=slice(row, row + 1))

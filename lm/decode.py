@@ -40,6 +40,7 @@ from .moe import SparseMoeBlock
 
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Cache -> DecodePlan or None (n/a)
 _step_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Cache -> its DecodePlan with ends set
+_verify_buffers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Cache -> ((b, t), its verify steps)
 _said: set[str] = set()  # the reasons already said by _step_aside
 _NO_TENSOR, _NO_MASK = torch.empty(0), torch.empty(0, dtype=torch.bool)
 
@@ -68,18 +69,69 @@ def decode_logits(lm, input_ids: torch.Tensor, positions: torch.Tensor, cache: C
     None when the fast path does not apply (the caller runs the model)."""
     plan = _step_plans.get(cache)  # after the generation's first step: no look-ups, no checks
     if plan is None:
-        model = lm.model
-        plan = _plan(kernels._fusable(model.norm.weight), model, cache, input_ids.shape[0])
+        plan = _plan_with_ends(lm, cache, input_ids.shape[0])
         if plan is None:
             return None
-        if not plan.has_ends():  # once per generation, as the plan
-            head, rotary = stored(lm.lm_head), model.rotary_emb
-            plan.set_ends(_w(model.embed_tokens), rotary.inv_freq, rotary.axis, kernels.weight_arg(head))
-            if input_ids.shape[0] >= kernels.panel_rows() and (copy := kernels.panels(head)).numel():
-                plan.add_panels(head[0], copy)
-        _step_plans[cache] = plan
     keep, pos = _keep_and_pos(cache, None if cache.lengths is not None else attention_mask_for(cache, 1))
     return plan.step(input_ids, positions, _states(cache), keep, pos)[:, None]
+
+
+def verify_logits(lm, cache: Cache, tokens: list[list[int]], positions: list[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """A speculative verify in one `DecodePlan.verify` call: row b's tokens `tokens[b]` (its last pick,
+    then its drafts; T each) at mRoPE positions positions[b], positions[b] + 1, ... (all three axes,
+    as generated tokens'), written at the cache's next T positions after `cache.begin_verify()`.
+    Returns the final-normed hidden states [B, T, hidden] and the logits [B, T, vocab]; each
+    DeltaNet layer's window and state after each token wait in its slot for `Cache.commit`. None
+    when the plan does not apply (the caller runs the model: lm/serving/speculative.py), e.g. more
+    than kernels.MAX_ROWS tokens in all."""
+    b, t = len(tokens), len(tokens[0])
+    if b * t > kernels.MAX_ROWS or cache.lengths is not None:
+        return None
+    plan = _step_plans.get(cache) or _plan_with_ends(lm, cache, b)
+    if plan is None:
+        return None
+    start = cache.length
+    cache.begin(None, t)
+    keep = cache.key_mask[:, : start + t].contiguous() if cache.padded else _NO_MASK
+    after = _verify_steps(cache, b, t)
+    steps = [part.view(b * t, *part.shape[2:]) for pair in after.values() for part in pair]
+    hidden, logits = plan.verify([token for row in tokens for token in row],
+                                 [p + j for p in positions for j in range(t)], _states(cache), keep,
+                                 [start + j for _ in tokens for j in range(t)], [i for i in range(b) for _ in range(t)],
+                                 [-1 if j == 0 else i * t + j - 1 for i in range(b) for j in range(t)], steps)  # fmt: skip
+    cache.advance(t)
+    for i, pair in after.items():
+        cache.slots[i].after = pair
+    return hidden.view(b, t, -1), logits.view(b, t, -1)
+
+
+def _verify_steps(cache: Cache, b: int, t: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per DeltaNet layer of the cache, buffers for each token's window and state after it ([b, t,
+    ...] each), made once per cache and shape (a verify a step: fresh ones would fault in pages)."""
+    held = _verify_buffers.get(cache)
+    if held is None or held[0] != (b, t):
+        held = (b, t), {i: (slot.conv.new_empty(b, t, *slot.conv.shape[1:]),
+                            slot.recurrent.new_empty(b, t, *slot.recurrent.shape[1:]))
+                        for i, slot in cache.slots.items() if not isinstance(slot, KVSlot)}  # fmt: skip
+        _verify_buffers[cache] = held
+    return held[1]
+
+
+def _plan_with_ends(lm, cache: Cache, rows: int):
+    """The cache's plan with its ends set (embedding, rotary, head): a whole step in one call; None
+    when the fast path does not apply."""
+    model = lm.model
+    plan = _plan(kernels._fusable(model.norm.weight), model, cache, rows)
+    if plan is None:
+        return None
+    if not plan.has_ends():  # once per generation, as the plan
+        head, rotary = stored(lm.lm_head), model.rotary_emb
+        plan.set_ends(_w(model.embed_tokens), rotary.inv_freq, rotary.axis, kernels.weight_arg(head))
+        if rows >= kernels.panel_rows() and (copy := kernels.panels(head)).numel():
+            plan.add_panels(head[0], copy)
+    _step_plans[cache] = plan
+    return plan
 
 
 def step_tokens(cache: Cache, tokens: list[int], positions: list[int], lengths: list[int] | None = None

@@ -59,3 +59,37 @@ void attention_token_into(const AttentionShape& shape, int64_t R, const float* q
       for (int64_t i = 0; i < D; ++i) o[i] *= sigmoid(gate[i]);
     }
 }
+
+// attention_token_into for the rows of a speculative verify: row b's token goes to cache row
+// slot[b] (several rows share one: the tokens of one sequence) at position pos[b], and attends to
+// that cache row's first pos[b] + 1 positions; keep [cache rows, max(pos) + 1] or null. All rows'
+// keys and values are written before any row attends, so a row sees the earlier tokens of its
+// sequence in this verify and none after it.
+void attention_verify_into(const AttentionShape& shape, int64_t R, const float* qp, const float* kp, const float* vp,
+                           const float* qw, const float* kw, float eps, const float* cp, const float* sp, float* kc,
+                           float* vc, const int64_t* pp, const int64_t* slot, const bool* keep, int64_t keep_keys,
+                           double scale, float* op) {
+  const int64_t B = shape.B, H = shape.H, KV = shape.KV, L = shape.L, D = shape.D;
+  const int64_t last = last_position(pp, B, L, keep, keep_keys, {"attention verify"});
+  std::vector<float> qn(B * H * D);
+  for (int64_t b = 0; b < B; ++b) {
+    const float *cb = cp + b * R, *sb = sp + b * R;
+    for (int64_t h = 0; h < H; ++h) norm_rotate(qp + (b * H + h) * 2 * D, qw, eps, cb, sb, R, D, qn.data() + (b * H + h) * D);
+    for (int64_t h = 0; h < KV; ++h) {
+      const int64_t row = ((slot[b] * KV + h) * L + pp[b]) * D;
+      norm_rotate(kp + (b * KV + h) * D, kw, eps, cb, sb, R, D, kc + row);
+      std::copy(vp + (b * KV + h) * D, vp + (b * KV + h + 1) * D, vc + row);
+    }
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t length = pp[b] + 1, at = slot[b] * KV * L * D;
+    decode_attention_into({1, H, KV, last + 1, D}, qn.data() + b * H * D, kc + at, KV * L * D, L * D, vc + at,
+                          KV * L * D, L * D, keep ? keep + slot[b] * keep_keys : nullptr, &length, float(scale),
+                          op + b * H * D);
+    for (int64_t h = 0; h < H; ++h) {
+      const float* gate = qp + (b * H + h) * 2 * D + D;
+      float* o = op + (b * H + h) * D;
+      for (int64_t i = 0; i < D; ++i) o[i] *= sigmoid(gate[i]);
+    }
+  }
+}

@@ -64,5 +64,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("has_ends", &DecodePlan::has_ends)
       // a step runs without the GIL: the server's other threads (HTTP, detokenising) go on meanwhile
       .def("step", &DecodePlan::step, py::call_guard<py::gil_scoped_release>())
-      .def("step_tokens", &DecodePlan::step_tokens, py::call_guard<py::gil_scoped_release>());
+      .def("step_tokens", &DecodePlan::step_tokens, py::call_guard<py::gil_scoped_release>())
+      .def("verify", &DecodePlan::verify, py::call_guard<py::gil_scoped_release>());
 }

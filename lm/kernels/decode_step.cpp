@@ -154,7 +154,7 @@ void DecodePlan::add_panels(at::Tensor weight, at::Tensor panels) {
 }
 
 void DecodePlan::check_caches(const std::vector<at::Tensor>& states, int64_t B, int64_t R, const bool* keep,
-                              int64_t keep_keys, const int64_t* pos) const {
+                              int64_t keep_keys, const int64_t* pos, int64_t rows) const {
   TORCH_CHECK(states.size() == 2 * layers_.size() && final_norm_.defined(), "decode plan and cache do not match");
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& l = layers_[i];
@@ -163,14 +163,14 @@ void DecodePlan::check_caches(const std::vector<at::Tensor>& states, int64_t B, 
     if (l.deltanet) {
       const GdnShape& g = l.gdn;
       for (auto* t : {&a, &b}) check(*t, "DeltaNet cache");
-      TORCH_CHECK(a.dim() == 3 && a.size(0) == B && a.size(1) == g.Km1 && a.size(2) == g.C && b.dim() == 4 &&
-                      b.size(0) == B && b.size(1) == g.Hv && b.size(2) == g.Dk && b.size(3) == g.Dv,
+      TORCH_CHECK(a.dim() == 3 && a.size(0) == rows && a.size(1) == g.Km1 && a.size(2) == g.C && b.dim() == 4 &&
+                      b.size(0) == rows && b.size(1) == g.Hv && b.size(2) == g.Dk && b.size(3) == g.Dv,
                   "decode plan: layer ", i, "'s DeltaNet cache does not match the layer");
       continue;
     }
     for (auto* t : {&a, &b}) check(*t, "KV cache");
     const int64_t D = l.mixer[9].numel(), KV = l.ops[1].N / D, L = a.size(2);
-    TORCH_CHECK(a.dim() == 4 && a.size(0) == B && a.size(1) == KV && a.size(3) == D && b.sizes() == a.sizes() &&
+    TORCH_CHECK(a.dim() == 4 && a.size(0) == rows && a.size(1) == KV && a.size(3) == D && b.sizes() == a.sizes() &&
                     R % 2 == 0 && R <= D,
                 "decode plan: layer ", i, "'s KV cache does not match the layer");
     last_position(pos, B, L, keep, keep_keys, {"decode plan", int64_t(i)});  // before any layer steps
@@ -179,8 +179,9 @@ void DecodePlan::check_caches(const std::vector<at::Tensor>& states, int64_t B, 
 
 void DecodePlan::layers(float* h, int64_t B, const std::vector<at::Tensor>& states, const float* cos,
                         const float* sin, int64_t R, const bool* keep, int64_t keep_keys, const int64_t* pos,
-                        float* out) const {
-  check_caches(states, B, R, keep, keep_keys, pos);
+                        float* out, const Chain* chain) const {
+  check_caches(states, B, R, keep, keep_keys, pos, chain ? chain->sequences : B);
+  size_t gdn_layer = 0;  // the DeltaNet layers' index in chain->steps
   const int64_t H = hidden_;
   Buffers& buf = buffers();
   float *n = buf.get(Buffers::NORM, B * H), *y = buf.get(Buffers::OUT, B * H);
@@ -201,8 +202,16 @@ void DecodePlan::layers(float* h, int64_t B, const std::vector<at::Tensor>& stat
       const Product in[] = {product(o[0], n, qkv), product(o[1], n, z), product(o[2], n, b), product(o[3], n, a)};
       run_products(in, 4);
       float* mix = buf.get(Buffers::MIX, B * o[4].K);
-      gdn_decode_into(g, qkv, z, b, a, window.data_ptr<float>(), w[5].data_ptr<float>(), w[6].data_ptr<float>(),
-                      w[7].data_ptr<float>(), state.data_ptr<float>(), w[8].data_ptr<float>(), float(eps_), mix);
+      if (chain) {
+        const at::Tensor &win_steps = (*chain->steps)[2 * gdn_layer], &state_steps = (*chain->steps)[2 * gdn_layer + 1];
+        ++gdn_layer;
+        gdn_verify_into(g, qkv, z, b, a, window.data_ptr<float>(), w[5].data_ptr<float>(), w[6].data_ptr<float>(),
+                        w[7].data_ptr<float>(), state.data_ptr<float>(), w[8].data_ptr<float>(), float(eps_),
+                        chain->slot, chain->prev, win_steps.data_ptr<float>(), state_steps.data_ptr<float>(), mix);
+      } else {
+        gdn_decode_into(g, qkv, z, b, a, window.data_ptr<float>(), w[5].data_ptr<float>(), w[6].data_ptr<float>(),
+                        w[7].data_ptr<float>(), state.data_ptr<float>(), w[8].data_ptr<float>(), float(eps_), mix);
+      }
       const Product out_proj = product(o[4], mix, y);
       run_products(&out_proj, 1);
       add_rows(h, y, nullptr, B, H);
@@ -215,9 +224,14 @@ void DecodePlan::layers(float* h, int64_t B, const std::vector<at::Tensor>& stat
       const at::Tensor &k_cache = states[2 * i], &v_cache = states[2 * i + 1];
       const int64_t D = w[9].numel(), KV = o[1].N / D, L = k_cache.size(2);
       float* mix = buf.get(Buffers::MIX, B * o[3].K);
-      attention_token_into({B, o[3].K / D, KV, L, D}, R, q, k, v, w[9].data_ptr<float>(), w[10].data_ptr<float>(),
-                           float(eps_), cos, sin, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), pos, keep,
-                           keep_keys, l.scale, mix);
+      if (chain)
+        attention_verify_into({B, o[3].K / D, KV, L, D}, R, q, k, v, w[9].data_ptr<float>(), w[10].data_ptr<float>(),
+                              float(eps_), cos, sin, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), pos,
+                              chain->slot, keep, keep_keys, l.scale, mix);
+      else
+        attention_token_into({B, o[3].K / D, KV, L, D}, R, q, k, v, w[9].data_ptr<float>(), w[10].data_ptr<float>(),
+                             float(eps_), cos, sin, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), pos, keep,
+                             keep_keys, l.scale, mix);
       const Product o_proj = product(o[3], mix, y);
       run_products(&o_proj, 1);
       add_rows(h, y, f32(w[8]), B, H);
@@ -274,20 +288,9 @@ void DecodePlan::set_ends(Weight table, at::Tensor inv_freq, at::Tensor axis, We
   embedding_ = embedding, inv_freq_ = inv_freq, axis_ = axis, head_ = head;
 }
 
-at::Tensor DecodePlan::step(at::Tensor ids, at::Tensor positions, std::vector<at::Tensor> states, at::Tensor keep,
-                            at::Tensor pos) const {
-  TORCH_CHECK(head_.defined(), "decode plan: step needs set_ends first");
-  TORCH_CHECK(ids.scalar_type() == at::kLong && (ids.dim() == 1 || (ids.dim() == 2 && ids.size(1) == 1)),
-              "step: ids must be int64 [B] or [B, 1]");
-  ids = ids.reshape({-1}).contiguous();
-  const int64_t B = ids.size(0), H = embedding_.size(1), vocab = embedding_.size(0), F = inv_freq_.numel();
-  TORCH_CHECK(B >= 1 && B <= 8, "step: 1 to 8 rows");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.size(0) == 3 && positions.numel() == 3 * B &&
-                  (positions.dim() == 2 || (positions.dim() == 3 && positions.size(2) == 1)),
-              "step: positions must be int64 [3, B] or [3, B, 1]");
-  check_positions(pos, keep, B, "decode plan");
-  const auto p = positions.reshape({3, B}).contiguous();
-  const int64_t *ip = ids.data_ptr<int64_t>(), *pp = p.data_ptr<int64_t>(), *ax = axis_.data_ptr<int64_t>();
+void DecodePlan::ends_in(const int64_t* ip, const int64_t* pp, int64_t B, float** x, float** cos, float** sin) const {
+  const int64_t H = embedding_.size(1), vocab = embedding_.size(0), F = inv_freq_.numel();
+  const int64_t* ax = axis_.data_ptr<int64_t>();
   Buffers& buf = buffers();
   float *xp = buf.get(Buffers::HIDDEN, B * H), *cp = buf.get(Buffers::COS, B * 2 * F);
   float* sp = buf.get(Buffers::SIN, B * 2 * F);
@@ -301,6 +304,26 @@ at::Tensor DecodePlan::step(at::Tensor ids, at::Tensor positions, std::vector<at
       sp[b * 2 * F + i] = sp[b * 2 * F + F + i] = std::sin(angle);
     }
   }
+  *x = xp, *cos = cp, *sin = sp;
+}
+
+at::Tensor DecodePlan::step(at::Tensor ids, at::Tensor positions, std::vector<at::Tensor> states, at::Tensor keep,
+                            at::Tensor pos) const {
+  TORCH_CHECK(head_.defined(), "decode plan: step needs set_ends first");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && (ids.dim() == 1 || (ids.dim() == 2 && ids.size(1) == 1)),
+              "step: ids must be int64 [B] or [B, 1]");
+  ids = ids.reshape({-1}).contiguous();
+  const int64_t B = ids.size(0);
+  TORCH_CHECK(B >= 1 && B <= 8, "step: 1 to 8 rows");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.size(0) == 3 && positions.numel() == 3 * B &&
+                  (positions.dim() == 2 || (positions.dim() == 3 && positions.size(2) == 1)),
+              "step: positions must be int64 [3, B] or [3, B, 1]");
+  check_positions(pos, keep, B, "decode plan");
+  const auto p = positions.reshape({3, B}).contiguous();
+  float *xp, *cp, *sp;
+  ends_in(ids.data_ptr<int64_t>(), p.data_ptr<int64_t>(), B, &xp, &cp, &sp);
+  const int64_t H = embedding_.size(1), F = inv_freq_.numel();
+  Buffers& buf = buffers();
   float* final = buf.get(Buffers::FINAL, B * H);
   layers(xp, B, states, cp, sp, 2 * F, keep.numel() ? keep.data_ptr<bool>() : nullptr, keep.numel() ? keep.size(1) : 0,
          pos.data_ptr<int64_t>(), final);
@@ -319,4 +342,51 @@ at::Tensor DecodePlan::step_tokens(std::vector<int64_t> ids, std::vector<int64_t
   auto p = at::empty({3, B}, longs);
   for (int64_t axis = 0; axis < 3; ++axis) std::copy(positions.begin(), positions.end(), p.data_ptr<int64_t>() + axis * B);
   return step(at::from_blob(ids.data(), {B}, longs), p, std::move(states), keep, at::from_blob(pos.data(), {B}, longs));
+}
+
+std::vector<at::Tensor> DecodePlan::verify(std::vector<int64_t> ids, std::vector<int64_t> positions, std::vector<at::Tensor> states,
+                              at::Tensor keep, std::vector<int64_t> pos, std::vector<int64_t> slot,
+                              std::vector<int64_t> prev, std::vector<at::Tensor> steps) const {
+  TORCH_CHECK(head_.defined(), "decode plan: verify needs set_ends first");
+  const int64_t B = ids.size();
+  TORCH_CHECK(B >= 1 && B <= 8 && int64_t(positions.size()) == B && int64_t(pos.size()) == B &&
+                  int64_t(slot.size()) == B && int64_t(prev.size()) == B,
+              "verify: 1 to 8 rows, each with a token, a position, a cache position, a cache row and a previous row");
+  int64_t sequences = 0;
+  for (int64_t r = 0; r < B; ++r) {
+    TORCH_CHECK(slot[r] >= 0 && (prev[r] < 0 ? true : prev[r] < r && slot[prev[r]] == slot[r]),
+                "verify: row ", r, " continues row ", prev[r], " of another cache row or a later one");
+    sequences = std::max(sequences, slot[r] + 1);
+  }
+  TORCH_CHECK(!keep.numel() || (keep.scalar_type() == at::kBool && keep.is_contiguous() && keep.dim() == 2 &&
+                                keep.size(0) == sequences),
+              "verify: keep must be a contiguous bool [sequences, keys] tensor or empty");
+  size_t deltanets = 0;
+  for (const Layer& l : layers_) deltanets += l.deltanet;
+  TORCH_CHECK(steps.size() == 2 * deltanets, "verify: two step tensors per DeltaNet layer");
+  size_t i = 0;
+  for (const Layer& l : layers_) {
+    if (!l.deltanet) continue;
+    const at::Tensor &w = steps[2 * i], &s = steps[2 * i + 1];
+    for (auto* t : {&w, &s}) check(*t, "verify steps");
+    TORCH_CHECK(w.dim() == 3 && w.size(0) == B && w.size(1) == l.gdn.Km1 && w.size(2) == l.gdn.C && s.dim() == 4 &&
+                    s.size(0) == B && s.size(1) == l.gdn.Hv && s.size(2) == l.gdn.Dk && s.size(3) == l.gdn.Dv,
+                "verify: DeltaNet steps ", i, " do not match the layer");
+    ++i;
+  }
+  const auto longs = at::TensorOptions().dtype(at::kLong);
+  auto p = at::empty({3, B}, longs);
+  for (int64_t axis = 0; axis < 3; ++axis) std::copy(positions.begin(), positions.end(), p.data_ptr<int64_t>() + axis * B);
+  float *xp, *cp, *sp;
+  ends_in(ids.data(), p.data_ptr<int64_t>(), B, &xp, &cp, &sp);
+  const int64_t H = embedding_.size(1), F = inv_freq_.numel();
+  auto hidden = at::empty({B, H}, inv_freq_.options());
+  const Chain chain{slot.data(), prev.data(), &steps, sequences};
+  layers(xp, B, states, cp, sp, 2 * F, keep.numel() ? keep.data_ptr<bool>() : nullptr, keep.numel() ? keep.size(1) : 0,
+         pos.data(), hidden.data_ptr<float>(), &chain);
+  auto logits = at::empty({B, head_op_.N}, inv_freq_.options());
+  const Product lm_head{hidden.data_ptr<float>(), B, H, head_op_.W, head_op_.N, H, logits.data_ptr<float>(),
+                        head_op_.panels};
+  run_products(&lm_head, 1);
+  return {hidden, logits};
 }

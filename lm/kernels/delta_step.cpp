@@ -197,36 +197,83 @@ inline void conv_channels(const float* x, float* window, const float* conv_w, in
 
 }  // namespace
 
-// One parallel region of independent tasks, one per (row, key head): the conv of the key head's q
-// and k channels and of its value heads' v channels (each channel's window shifted by exactly one
-// task), the q / k unit norms, then per value head the gates, the recurrence and the gated RMSNorm.
-// Before, three phases (conv, serial norms and gates, heads) each waited for all threads.
+// One task of the token step: row r's key head j on row r's conv window (in place) and recurrent
+// state S_r [Hv, Dk, Dv] (its value heads, in place): the conv of the key head's q and k channels and
+// of its value heads' v channels (each channel's window shifted by exactly one task), the q / k unit
+// norms, then per value head the gates, the recurrence and the gated RMSNorm.
+static void gdn_task(const GdnShape& shape, int64_t r, int64_t j, const float* xp, const float* zp, const float* bp,
+                     const float* ap, float* window, const float* wp, const float* A, const float* dtb, float* S_r,
+                     const float* nw, float eps, float* op) {
+  const int64_t C = shape.C, Km1 = shape.Km1, Hk = shape.Hk, Hv = shape.Hv, Dk = shape.Dk, Dv = shape.Dv;
+  const int64_t Kd = Hk * Dk, Vd = Hv * Dv, rep = Hv / Hk;
+  const float* x = xp + r * C;
+  thread_local std::vector<float> scratch;  // this key head's q, k, v (after conv and SiLU) and silu(z)
+  scratch.resize(2 * Dk + rep * Dv + Dv);
+  float *q = scratch.data(), *k = q + Dk, *v = k + Dk, *zs = v + rep * Dv;
+  conv_channels(x, window, wp, C, Km1, j * Dk, (j + 1) * Dk, q);
+  conv_channels(x, window, wp, C, Km1, Kd + j * Dk, Kd + (j + 1) * Dk, k);
+  conv_channels(x, window, wp, C, Km1, 2 * Kd + j * rep * Dv, 2 * Kd + (j + 1) * rep * Dv, v);
+  l2norm(q, Dk, 1.f / std::sqrt(float(Dk)));  // q scaled by Dk^-1/2
+  l2norm(k, Dk, 1.f);
+  for (int64_t h = j * rep; h < (j + 1) * rep; ++h) {  // value head h reads key head h / rep
+    const float decay = std::exp(-std::exp(A[h]) * softplus(ap[r * Hv + h] + dtb[h]));
+    const float beta = sigmoid(bp[r * Hv + h]);
+    float* o = op + r * Vd + h * Dv;
+    delta_step_head(S_r + h * Dk * Dv, Dk, Dv, q, k, v + (h - j * rep) * Dv, decay, beta, o);
+    const float inv = 1.f / std::sqrt(dot(o, o, Dv) / float(Dv) + float(eps));
+    silu_mul(zp + r * Vd + h * Dv, nullptr, zs, Dv);
+    for (int64_t i = 0; i < Dv; ++i) o[i] = nw[i] * (o[i] * inv) * zs[i];
+  }
+}
+
+// One parallel region of independent tasks, one per (row, key head) (gdn_task). Before, three
+// phases (conv, serial norms and gates, heads) each waited for all threads.
 void gdn_decode_into(const GdnShape& shape, const float* xp, const float* zp, const float* bp, const float* ap,
                      float* win, const float* wp, const float* A, const float* dtb, float* S, const float* nw,
                      float eps, float* op) {
+  const int64_t Hk = shape.Hk, state = shape.Hv * shape.Dk * shape.Dv, window = shape.Km1 * shape.C;
+  parallel_tasks(shape.B * Hk, [&](int64_t t) {
+    const int64_t r = t / Hk, j = t % Hk;
+    gdn_task(shape, r, j, xp, zp, bp, ap, win + r * window, wp, A, dtb, S + r * state, nw, eps, op);
+  });
+}
+
+// The token step of chained rows (a speculative verify: rows r whose prev[r] >= 0 continue the
+// sequence of row prev[r] < r). Row r starts from the window and state of cache row slot[r] when
+// prev[r] < 0, else from those row prev[r] ended with, and ends with its own in win_steps[r] /
+// S_steps[r] ([rows, Km1, C] / [rows, Hv, Dk, Dv]); the cache's own win and S are only read. The
+// rows go depth by depth (a row after the one it continues), each depth one parallel region of
+// (row, key head) tasks; a task copies just its channels' window columns and its value heads'
+// states before it steps, the same floats gdn_decode_into would step in place.
+void gdn_verify_into(const GdnShape& shape, const float* xp, const float* zp, const float* bp, const float* ap,
+                     const float* win, const float* wp, const float* A, const float* dtb, const float* S,
+                     const float* nw, float eps, const int64_t* slot, const int64_t* prev, float* win_steps,
+                     float* S_steps, float* op) {
   const int64_t B = shape.B, C = shape.C, Km1 = shape.Km1, Hk = shape.Hk, Hv = shape.Hv, Dk = shape.Dk,
                 Dv = shape.Dv;
-  const int64_t Kd = Hk * Dk, Vd = Hv * Dv, rep = Hv / Hk;
-  parallel_tasks(B * Hk, [&](int64_t t) {
-    const int64_t r = t / Hk, j = t % Hk;
-    const float* x = xp + r * C;
-    float* window = win + r * Km1 * C;
-    thread_local std::vector<float> scratch;  // this key head's q, k, v (after conv and SiLU) and silu(z)
-    scratch.resize(2 * Dk + rep * Dv + Dv);
-    float *q = scratch.data(), *k = q + Dk, *v = k + Dk, *zs = v + rep * Dv;
-    conv_channels(x, window, wp, C, Km1, j * Dk, (j + 1) * Dk, q);
-    conv_channels(x, window, wp, C, Km1, Kd + j * Dk, Kd + (j + 1) * Dk, k);
-    conv_channels(x, window, wp, C, Km1, 2 * Kd + j * rep * Dv, 2 * Kd + (j + 1) * rep * Dv, v);
-    l2norm(q, Dk, 1.f / std::sqrt(float(Dk)));  // q scaled by Dk^-1/2
-    l2norm(k, Dk, 1.f);
-    for (int64_t h = j * rep; h < (j + 1) * rep; ++h) {  // value head h reads key head h / rep
-      const float decay = std::exp(-std::exp(A[h]) * softplus(ap[r * Hv + h] + dtb[h]));
-      const float beta = sigmoid(bp[r * Hv + h]);
-      float* o = op + r * Vd + h * Dv;
-      delta_step_head(S + (r * Hv + h) * Dk * Dv, Dk, Dv, q, k, v + (h - j * rep) * Dv, decay, beta, o);
-      const float inv = 1.f / std::sqrt(dot(o, o, Dv) / float(Dv) + float(eps));
-      silu_mul(zp + r * Vd + h * Dv, nullptr, zs, Dv);
-      for (int64_t i = 0; i < Dv; ++i) o[i] = nw[i] * (o[i] * inv) * zs[i];
-    }
-  });
+  const int64_t Kd = Hk * Dk, rep = Hv / Hk, state = Hv * Dk * Dv, window = Km1 * C;
+  std::vector<int64_t> depth(B);
+  int64_t deepest = 0;
+  for (int64_t r = 0; r < B; ++r) {
+    TORCH_CHECK(prev[r] < r, "verify: a row continues an earlier row (prev[r] < r)");
+    depth[r] = prev[r] < 0 ? 0 : depth[prev[r]] + 1;
+    deepest = std::max(deepest, depth[r]);
+  }
+  for (int64_t d = 0; d <= deepest; ++d) {
+    std::vector<int64_t> rows;
+    for (int64_t r = 0; r < B; ++r)
+      if (depth[r] == d) rows.push_back(r);
+    parallel_tasks(int64_t(rows.size()) * Hk, [&](int64_t t) {
+      const int64_t r = rows[t / Hk], j = t % Hk;
+      const float *from_win = prev[r] < 0 ? win + slot[r] * window : win_steps + prev[r] * window;
+      const float* from_S = prev[r] < 0 ? S + slot[r] * state : S_steps + prev[r] * state;
+      float *to_win = win_steps + r * window, *to_S = S_steps + r * state;
+      const int64_t spans[3][2] = {{j * Dk, Dk}, {Kd + j * Dk, Dk}, {2 * Kd + j * rep * Dv, rep * Dv}};
+      for (int64_t i = 0; i < Km1; ++i)
+        for (const auto& span : spans)
+          std::copy_n(from_win + i * C + span[0], span[1], to_win + i * C + span[0]);
+      std::copy_n(from_S + j * rep * Dk * Dv, rep * Dk * Dv, to_S + j * rep * Dk * Dv);
+      gdn_task(shape, r, j, xp, zp, bp, ap, to_win, wp, A, dtb, to_S, nw, eps, op);
+    });
+  }
 }

@@ -47,6 +47,11 @@ struct GdnShape {
 void gdn_decode_into(const GdnShape& shape, const float* qkv, const float* z, const float* b_in, const float* a_in,
                      float* window, const float* conv_w, const float* A_log, const float* dt_bias, float* state,
                      const float* norm_w, float eps, float* out);
+// ... of the chained rows of a speculative verify (delta_step.cpp says how)
+void gdn_verify_into(const GdnShape& shape, const float* qkv, const float* z, const float* b_in, const float* a_in,
+                     const float* window, const float* conv_w, const float* A_log, const float* dt_bias,
+                     const float* state, const float* norm_w, float eps, const int64_t* slot, const int64_t* prev,
+                     float* window_steps, float* state_steps, float* out);
 // decode_attention and the attention layer's token on raw float32 rows (the shape checks done by
 // the caller; attention_token_into checks the positions against the cache and the mask): the decode
 // step's path. The caches [B, KV, L, D] contiguous; attention_token_into's out [B, H * D].
@@ -60,6 +65,11 @@ void attention_token_into(const AttentionShape& shape, int64_t R, const float* q
                           const float* q_norm_w, const float* k_norm_w, float eps, const float* cos, const float* sin,
                           float* k_cache, float* v_cache, const int64_t* pos, const bool* keep, int64_t keep_keys,
                           double scale, float* out);
+// ... of the rows of a speculative verify, row b in cache row slot[b] (attention_token.cpp)
+void attention_verify_into(const AttentionShape& shape, int64_t R, const float* q, const float* k, const float* v,
+                           const float* q_norm_w, const float* k_norm_w, float eps, const float* cos, const float* sin,
+                           float* k_cache, float* v_cache, const int64_t* pos, const int64_t* slot, const bool* keep,
+                           int64_t keep_keys, double scale, float* out);
 // moe_decode's weights, checked once (moe_weights), and the block on raw rows: x [N, H] -> out [N, H]
 struct MoeWeights {
   qwen35::Rows router, sh_expert_gate, gate_up, down, sh_gate, sh_up, sh_down;
@@ -135,6 +145,18 @@ class DecodePlan {
   // 0.59-0.66 ms to 0.21-0.24 ms (of ~11 ms).
   at::Tensor step_tokens(std::vector<int64_t> ids, std::vector<int64_t> positions, std::vector<at::Tensor> states,
                          at::Tensor keep, std::vector<int64_t> pos) const;
+  // A speculative verify in one call (lm/decode.py verify_logits): `step` over rows that are the
+  // tokens of a few sequences, each sequence's tokens consecutive rows. Row r lives in cache row
+  // slot[r] (states as `step`'s, one row per sequence; keep [sequences, max(pos) + 1] or empty) at
+  // cache position pos[r]; prev[r] is the row whose token comes right before it in its sequence, or
+  // -1 for a sequence's first. steps: per DeltaNet layer, in layer order, (window steps [rows, Km1,
+  // C], state steps [rows, Hv, Dk, Dv]): row r's conv window and recurrent state after its token;
+  // the cache's own DeltaNet states are not changed (the caller keeps the accepted row's). KV
+  // positions are written in place. Returns the final-normed hidden states [rows, hidden] and the
+  // logits [rows, vocab].
+  std::vector<at::Tensor> verify(std::vector<int64_t> ids, std::vector<int64_t> positions, std::vector<at::Tensor> states,
+                    at::Tensor keep, std::vector<int64_t> pos, std::vector<int64_t> slot, std::vector<int64_t> prev,
+                    std::vector<at::Tensor> steps) const;
 
  private:
   // A weight of the plan as its products read it: rows in its format, outputs N, inputs K, and its
@@ -156,12 +178,22 @@ class DecodePlan {
   // final-normed rows: `run` and `step` on raw rows, the activations in buffers kept between steps.
   // cos, sin [B, R] the rotary angles; pos [B] each row's cache position; keep [B, max(pos) + 1] or
   // null (no mask). `run` and `step` check them.
+  // A verify's rows (see `verify`): cache row and previous row of each, the DeltaNet steps.
+  struct Chain {
+    const int64_t *slot, *prev;
+    const std::vector<at::Tensor>* steps;
+    int64_t sequences;  // cache rows
+  };
   void layers(float* h, int64_t B, const std::vector<at::Tensor>& states, const float* cos, const float* sin,
-              int64_t R, const bool* keep, int64_t keep_keys, const int64_t* pos, float* out) const;
+              int64_t R, const bool* keep, int64_t keep_keys, const int64_t* pos, float* out,
+              const Chain* chain = nullptr) const;
   // Every layer's cache against the layer, and the positions and key mask against every KV cache,
   // before the first layer steps: a bad cache or position fails the step with the caches untouched.
+  // `rows` of the caches (B, or a verify's sequences), B positions.
   void check_caches(const std::vector<at::Tensor>& states, int64_t B, int64_t R, const bool* keep, int64_t keep_keys,
-                    const int64_t* pos) const;
+                    const int64_t* pos, int64_t rows) const;
+  // `step`'s embedding rows and rotary angles of B tokens into the HIDDEN, COS and SIN buffers
+  void ends_in(const int64_t* ids, const int64_t* positions, int64_t B, float** x, float** cos, float** sin) const;
   int64_t hidden_ = 0;
   std::vector<Layer> layers_;
   std::vector<at::Tensor> panels_;  // the panel copies the operands point into (kept alive)

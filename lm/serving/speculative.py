@@ -6,7 +6,9 @@ A step, with `next` the last picked token (not yet in the caches) and K drafts:
    and the token it drafted (vLLM's recursion over one layer), up to dK. Its positions beyond the
    committed tokens are dropped at once (`Cache.truncate`): the next step rewrites them from the
    main model's hidden states.
-2. verify: one forward of the main model over [next, d1..dK] gives K + 1 pickings.
+2. verify: one forward of the main model over [next, d1..dK] gives K + 1 pickings; on CPU, with
+   at most 8 tokens in all, one call of the decode plan (lm/decode.py verify_logits: the decode
+   step's kernels over the rows' tokens, each sequence's chained), else the layers one by one.
 3. accept. Greedy rows: the longest prefix of drafts equal to the main model's own picks, plus the
    main model's pick after it: 1 to K + 1 new tokens per forward, the same tokens as greedy
    decoding without drafts (the picks go through the same `Sampler`, so penalties apply token by
@@ -20,12 +22,14 @@ A step, with `next` the last picked token (not yet in the caches) and K drafts:
    (`speculative_pick`: standard speculative sampling, whose tokens are distributed as p exactly).
    With a seed the tokens are reproducible, but not the same ones as without drafts: the generator
    is drawn from in another order.
-4. rollback (`Cache.commit`): the verify forward kept each DeltaNet layer's state after every one of
-   its tokens (lm/delta_rule.stepwise_gated_delta_rule) and the conv's inputs; the state after the
-   last accepted token is copied back and the KV positions after it are zeroed. Cost per step: K
-   copies of each DeltaNet recurrent state during the verify and one more on a rejection (float32
-   [Hv, Dk, Dv]: 2 MiB a layer, 60 MiB for the 30 DeltaNet layers of the 35B-A3B), the verify's
-   DeltaNet run token by token, and no weight read twice.
+4. rollback (`Cache.commit`): the verify kept each DeltaNet layer's window and state after every one
+   of its tokens, and the state after the last accepted token becomes the cache's; the KV
+   positions after it are zeroed. Through the decode plan each token's state is written once by
+   the kernel (the plan reads the cache's and leaves it), and commit copies one per row: float32
+   [Hv, Dk, Dv], 2 MiB a layer, 60 MiB for the 30 DeltaNet layers of the 35B-A3B. Through the
+   layers (lm/delta_rule.stepwise_gated_delta_rule) the verify's DeltaNet runs token by token,
+   copying each state but the last, and commit copies one more on a rejection. No weight is read
+   twice either way.
 
 Each row of a batch accepts its own drafts; the KV positions that one row rejected while another
 accepted stay in it as masked holes, as left padding does. Rows with logprobs or a constraint do not
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import decode
 from ..cache import Cache
 from ..model import CausalLM
 from ..sampling import Sampler, SamplingParams, argmax
@@ -185,11 +190,15 @@ def _step(lm: CausalLM, cache: Cache, mtp_cache: Cache, rows: _Rows, sampler: Sa
         embeds = torch.cat([rows.embeds, lm.embed(torch.tensor(rows.tokens, device=device)[:, None])], dim=1)
         drafts = draft(lm, mtp_cache, embeds, rows.hidden, rows.positions, rows.mask, k, rows.next_positions, pick)
         cache.begin_verify()
-    ids = torch.tensor([[token, *d] for token, d in zip(rows.tokens, drafts)], device=device)  # [B, k + 1]
-    steps = torch.arange(ids.shape[1], device=device)
+    tokens = [[token, *d] for token, d in zip(rows.tokens, drafts)]
+    steps = torch.arange(k + 1, device=device)
     pos = (torch.tensor(rows.next_positions, device=device)[:, None] + steps)[None].expand(3, -1, -1)
-    hidden = lm.hidden_states(ids, positions=pos, cache=cache)  # [B, k + 1, H]
-    logits = lm.lm_head(hidden)  # [B, k + 1, V]
+    verified = decode.verify_logits(lm, cache, tokens, rows.next_positions) if k > 0 else None
+    if verified is None:  # the layers one by one (no decode plan, or more than 8 tokens in all)
+        hidden = lm.hidden_states(torch.tensor(tokens, device=device), positions=pos, cache=cache)  # [B, k + 1, H]
+        logits = lm.lm_head(hidden)  # [B, k + 1, V]
+    else:  # one call of the decode plan's kernels (lm/decode.py)
+        hidden, logits = verified
     news = [_accept(sampler, logits[i], row, outputs[row], drafts[i], qs[i]) for i, row in enumerate(rows.ids)]
     if k > 0:
         cache.commit([len(new) for new in news])

@@ -279,6 +279,45 @@ def test_a_rejected_token_leaves_no_trace_in_the_caches(checkpoints, kind):
     torch.testing.assert_close(after[0], after[1], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["moe_text", "dense_text"])
+def test_a_verify_through_the_decode_plan_equals_the_layers_verify(checkpoints, kind):
+    """A left-padded batch of 2 prompts verifies 3 tokens each twice, through the decode plan (one
+    call, lm/decode.py verify_logits) and through the layers: hidden states and logits within 1e-5
+    relative (the kernels sum in another order), and after commit([1, 3]) and then commit([3, 2])
+    every DeltaNet window and state, KV buffer and the key mask as the layers leave them."""
+    from lm import decode
+
+    lm = mm.load_model(checkpoints(kind)[1]).lm
+    ids, mask = _left_padded(BATCH[:2])
+    rounds = [([[7, 8, 9], [10, 11, 12]], [1, 3]), ([[13, 14, 15], [16, 17, 18]], [3, 2])]
+    caches, outputs = [], []
+    for through_plan in (True, False):
+        cache, seen = lm.make_cache(2, 60), []
+        with torch.no_grad():
+            lm.hidden_states(ids, attention_mask=mask, cache=cache)
+            at = [int(m.sum()) for m in mask]
+            for tokens, kept in rounds:
+                cache.begin_verify()
+                if through_plan:
+                    verified = decode.verify_logits(lm, cache, tokens, at)
+                    assert verified is not None
+                else:
+                    pos = (torch.tensor(at)[:, None] + torch.arange(3))[None].expand(3, -1, -1)
+                    hidden = lm.hidden_states(torch.tensor(tokens), positions=pos, cache=cache)
+                    verified = hidden, lm.lm_head(hidden)
+                seen.append(verified)
+                cache.commit(kept)
+                at = [a + n for a, n in zip(at, kept)]
+        caches.append(cache)
+        outputs.append(seen)
+    for (hidden, logits), (ref_hidden, ref_logits) in zip(*outputs):
+        assert rel_err(hidden, ref_hidden) < 1e-5 and rel_err(logits, ref_logits) < 1e-5
+    plan, layers = caches
+    assert plan.length == layers.length and torch.equal(plan.key_mask, layers.key_mask)
+    for ours, ref in zip(_states(plan), _states(layers)):
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
 def test_drafting_leaves_the_mtp_cache_with_the_committed_positions_only(mtp_checkpoint):
     lm = mm.load_model(mtp_checkpoint("dense_vl"), speculative="mtp", num_speculative_tokens=3).lm
     cfg, g = lm.config, torch.Generator().manual_seed(4)
