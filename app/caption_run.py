@@ -28,7 +28,7 @@ from lm import SamplingParams
 from mm import Pipeline
 from mm.pipeline import Answer
 
-from .loading import engine_options, load_pipeline
+from .loading import load_pipeline, pipeline_options
 
 
 class RecordSink(Protocol):
@@ -61,9 +61,7 @@ class CaptionJob:
 def load_job(args: argparse.Namespace, model: str | Path | None) -> tuple[Pipeline, CaptionJob]:
     """The pipeline of `model` (a checkpoint directory, or None for the built-in model) with the
     engine options, and the job, of the captioner's command line (`python -m app.caption`'s arguments)."""
-    pipeline = load_pipeline(model, device=args.device, dtype=args.dtype, weights=args.weights,
-                             engine_options=engine_options(args), compute=args.compute,
-                             dequantize_unsupported=args.dequantize_unsupported, mmproj=args.mmproj)  # fmt: skip
+    pipeline = load_pipeline(model, **pipeline_options(args))
     params = pipeline.default_params(args.preset, max_new_tokens=args.max_new_tokens, seed=args.seed,
                                      json_schema=args.json_schema, thinking_budget=args.thinking_budget)  # fmt: skip
     pipeline.constraint_rule(params, args.thinking)  # an unsupported schema fails here, not once per video

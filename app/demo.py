@@ -17,7 +17,7 @@ from mm import PRESETS, Pipeline
 
 from .demo_chat import MODEL_DEFAULT, error_message, sampling_params, stopped_reply, stream_reply, user_message
 from mm.default_model import RANDOM_WEIGHTS_NOTICE
-from .loading import add_model_arguments, check_model, device_problem, engine_options, load_pipeline
+from .loading import add_model_arguments, check_model, device_problem, load_pipeline, pipeline_options
 
 MAX_FILE_SIZE = "200mb"
 API_NAME = "chat"  # gradio_client: client.submit(message, history, *controls, api_name="/chat")
@@ -162,9 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: {problem}")
     try:
         path = check_model(args.model)  # prints the random-weights notice when no --model
-        pipeline = load_pipeline(path, device=args.device, dtype=args.dtype, weights=args.weights,
-                                 engine_options=engine_options(args), compute=args.compute,
-                                 dequantize_unsupported=args.dequantize_unsupported, mmproj=args.mmproj)  # kernels first
+        pipeline = load_pipeline(path, **pipeline_options(args))  # kernels first
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
     title = f"Qwen3.5 / Qwen3.6 chat: {Path(path).name}"

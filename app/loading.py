@@ -55,11 +55,13 @@ def check_model(model: str | Path | None) -> Path:
 
 def load_pipeline(model: str | Path | None, *, device: str = "cpu", dtype: torch.dtype | str | None = None,
                   weights: str = "auto", engine_options: dict | None = None, compute: str = "auto",
-                  dequantize_unsupported: bool = False, mmproj: str | Path | None = None) -> Pipeline:
+                  dequantize_unsupported: bool = False, mmproj: str | Path | None = None,
+                  speculative: str | None = None, num_speculative_tokens: int = 1) -> Pipeline:
     """`mm.Pipeline` for a checkpoint directory (None: the built-in random-weights model); `weights`
     the storage format of the large weights and `compute` how prefill and the vision tower multiply
     (see `mm.load_model`; `dequantize_unsupported` and `mmproj` for a GGUF file); `engine_options` those of its
-    serving engine (see `engine_options`). On CPU the C++ kernels are built (first time, announced)
+    serving engine (see `engine_options`); `speculative="mtp"` decodes with the checkpoint's MTP layer
+    (`num_speculative_tokens` drafts a step). On CPU the C++ kernels are built (first time, announced)
     or loaded first, so no request waits for a build."""
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
@@ -67,7 +69,15 @@ def load_pipeline(model: str | Path | None, *, device: str = "cpu", dtype: torch
     if torch.device(device).type == "cpu":
         prebuild()
     return Pipeline.from_pretrained(path, device=device, dtype=dtype, weights=weights, engine_options=engine_options,
-                                    compute=compute, dequantize_unsupported=dequantize_unsupported, mmproj=mmproj)
+                                    compute=compute, dequantize_unsupported=dequantize_unsupported, mmproj=mmproj,
+                                    speculative=speculative, num_speculative_tokens=num_speculative_tokens)
+
+
+def pipeline_options(args: argparse.Namespace) -> dict:
+    """`load_pipeline`'s keyword arguments from those of `add_model_arguments`."""
+    return dict(device=args.device, dtype=args.dtype, weights=args.weights, engine_options=engine_options(args),
+                compute=args.compute, dequantize_unsupported=args.dequantize_unsupported, mmproj=args.mmproj,
+                speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -122,6 +132,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how prompt prefill and the vision tower multiply: fp32 (exact), bf16, int8 (int8 / int4 "
                              "weights), auto (default: fp32 for float32 weights, else bf16 on CPUs with AMX tiles, "
                              "else int8 for int8 / int4 weights)")
+    parser.add_argument("--speculative", default=None, choices=["mtp"],
+                        help="speculative decoding with the checkpoint's multi-token-prediction layer (mtp.*): "
+                             "greedy answers unchanged, sampled ones of the same distribution (default: off)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=1, choices=[1, 2, 3], metavar="K",
+                        help="with --speculative mtp: tokens drafted a step, 1 to 3 (default: 1)")
     parser.add_argument("--max-batch", type=int, default=EngineConfig.max_batch, metavar="N",
                         help="sequences the engine decodes together (its slots; more requests wait) (default: "
                              f"{EngineConfig.max_batch})")

@@ -33,7 +33,7 @@ from mm.processor import PromptTooLongError
 from . import serve_choices as choices
 from . import serve_response as shape
 from .openai_protocol import APIError, ChatCompletionRequest, NamedToolChoice, bad_request, parse_request
-from .loading import add_model_arguments, check_model, engine_options, load_pipeline
+from .loading import add_model_arguments, check_model, load_pipeline, pipeline_options
 from .reasoning import prompt_opens_thinking
 from .serve_backend import Backend, Generation, ServerBusy
 from .tool_choice import ToolCallRule
@@ -468,10 +468,7 @@ def _is_loopback(host: str) -> bool:
 def build_server(args: argparse.Namespace) -> tuple[FastAPI, Backend]:
     """Load the model named by `args` and make the app (no serving yet)."""
     path = check_model(args.model)  # config.json and tokenizer first; the random-weights notice when no --model
-    load_args = dict(device=args.device, dtype=args.dtype, weights=args.weights, engine_options=engine_options(args),
-                     compute=args.compute, dequantize_unsupported=args.dequantize_unsupported,
-                     mmproj=args.mmproj)
-    pipeline = load_pipeline(path, **load_args)
+    pipeline = load_pipeline(path, **pipeline_options(args))
     if args.max_model_len is not None:
         if args.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2")

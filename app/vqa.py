@@ -58,9 +58,11 @@ class VQA:
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None,
                  preset: str | None = None, weights: str = "auto", compute: str = "auto",
-                 dequantize_unsupported: bool = False, mmproj: str | Path | None = None):  # fmt: skip
+                 dequantize_unsupported: bool = False, mmproj: str | Path | None = None,
+                 speculative: str | None = None, num_speculative_tokens: int = 1):  # fmt: skip
         self.pipeline = load_pipeline(model, device=device, dtype=dtype, weights=weights, compute=compute,
-                                      dequantize_unsupported=dequantize_unsupported, mmproj=mmproj)
+                                      dequantize_unsupported=dequantize_unsupported, mmproj=mmproj,
+                                      speculative=speculative, num_speculative_tokens=num_speculative_tokens)
         self.preset = preset
         self.pipeline.default_params(preset)  # refuse an unknown preset now
 

@@ -64,7 +64,8 @@ class LinearSlot:
         self.steps: list[torch.Tensor] | None = None
         self.conv_inputs: torch.Tensor | None = None
         # ... or, of a verify through the decode plan (lm/decode.py verify_logits), which leaves conv
-        # and recurrent as they were: each token's window and state after it, [B, T, ...] each
+        # and recurrent as they were: each token's window and state after it, [N, ...] each for the
+        # N tokens of all rows in order (Cache.verify_rows says where each row's are)
         self.after: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -78,6 +79,8 @@ class Cache:
         self.key_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.padded = False  # whether key_mask may mark a written position as padding (see begin)
         self.verify_start: int | None = None  # the write position before a verify forward (begin_verify)
+        self.verify_rows: list[int] | None = None  # each row's token count in a verify through the decode plan
+        self.drafts = None  # a serving row's MTP state, carried by prefix snapshots (lm/serving/drafts.py)
         self.slots: dict[int, KVSlot | LinearSlot] = {}
         kv_shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
         conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
@@ -103,7 +106,7 @@ class Cache:
         self.max_len, self.length, self.lengths = max_len, length, None
         first = next(iter({**kv, **linear}.values()))[0]
         self.key_mask = torch.ones(first.shape[0], max_len, dtype=torch.bool, device=first.device)
-        self.padded, self.verify_start = False, None
+        self.padded, self.verify_start, self.verify_rows, self.drafts = False, None, None, None
         slots = {i: KVSlot(self, k, v) for i, (k, v) in kv.items()}
         self.slots = dict(sorted({**slots, **{i: LinearSlot(*pair) for i, pair in linear.items()}}.items()))
         return self
@@ -173,29 +176,37 @@ class Cache:
 
     def commit(self, kept: int | list[int]) -> None:
         """Keep the first `kept` (>= 1; one count per row, or one for all) tokens of each row of the
-        forward since `begin_verify` and leave each row as if it had never seen the others: its
-        DeltaNet recurrent states and conv windows become those after its last kept token, and its
-        dropped KV positions are zeroed and masked out. Positions that every row dropped are given
-        back (the write position moves back); those that only some rows dropped stay as masked
-        holes in those rows, as left padding is. Costs one copy of a row's DeltaNet states when it
-        drops tokens, nothing when it keeps all (after a verify through the decode plan: one copy
-        per row, the plan having left the cache's states as they were)."""
-        start, total = self.verify_start, self.length - self.verify_start
+        forward since `begin_verify` (or of a verify through the decode plan) and leave each row as
+        if it had never seen the others: its DeltaNet recurrent states and conv windows become those
+        after its last kept token, and its dropped KV positions are zeroed and masked out. Positions
+        that every row dropped are given back (the write position moves back); those that only some
+        rows dropped stay as masked holes in those rows, as left padding is. A ragged cache (the
+        serving engine's) just counts each row's kept positions: its dropped ones lie beyond the
+        row's length, unread, and are overwritten by its next tokens. Costs one copy of a row's
+        DeltaNet states when it drops tokens, nothing when it keeps all (after a verify through the
+        decode plan: one copy per row, the plan having left the cache's states as they were)."""
+        counts = self.verify_rows or [self.length - self.verify_start] * self.batch
         kept = [kept] * self.batch if isinstance(kept, int) else list(kept)
-        if len(kept) != self.batch or not all(1 <= n <= total for n in kept):
-            raise ValueError(f"cannot keep {kept} of the {total} tokens of a verify forward of {self.batch} row(s)")
+        if len(kept) != self.batch or not all(1 <= n <= total for n, total in zip(kept, counts)):
+            raise ValueError(f"cannot keep {kept} of the {counts} tokens of a verify forward of {self.batch} row(s)")
+        ends = [sum(counts[:row]) + n - 1 for row, n in enumerate(kept)]  # each row's last kept token in `after`
         for slot in self.slots.values():
             if isinstance(slot, LinearSlot):
                 window = slot.conv.shape[1]
                 for row, n in enumerate(kept):
                     if slot.after is not None:  # the plan's verify: the state after the last kept token
-                        slot.conv[row].copy_(slot.after[0][row, n - 1])
-                        slot.recurrent[row].copy_(slot.after[1][row, n - 1])
-                    elif n < total:
+                        slot.conv[row].copy_(slot.after[0][ends[row]])
+                        slot.recurrent[row].copy_(slot.after[1][ends[row]])
+                    elif n < counts[row]:
                         slot.recurrent[row].copy_(slot.steps[n - 1][row])
                         slot.conv[row].copy_(slot.conv_inputs[row, n : n + window])
                 slot.steps, slot.conv_inputs, slot.after = None, None, None
-        self.verify_start = None
+        self.verify_rows = None
+        if self.lengths is not None:
+            self.lengths += torch.tensor(kept, device=self.lengths.device)
+            self.length = int(self.lengths.max())
+            return
+        start, self.verify_start = self.verify_start, None
         for row, n in enumerate(kept):
             self._drop_positions(start + n, rows=slice(row, row + 1))
         self.length = start + max(kept)
@@ -234,4 +245,4 @@ class Cache:
         for slot in self.slots.values():
             for t in (slot.k, slot.v) if isinstance(slot, KVSlot) else (slot.conv, slot.recurrent):
                 total += t.numel() * t.element_size()
-        return total
+        return total + (self.drafts.nbytes() if self.drafts is not None else 0)

@@ -40,7 +40,7 @@ from .moe import SparseMoeBlock
 
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Cache -> DecodePlan or None (n/a)
 _step_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Cache -> its DecodePlan with ends set
-_verify_buffers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Cache -> ((b, t), its verify steps)
+_verify_buffers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Cache -> (tokens, its verify steps)
 _said: set[str] = set()  # the reasons already said by _step_aside
 _NO_TENSOR, _NO_MASK = torch.empty(0), torch.empty(0, dtype=torch.bool)
 
@@ -79,41 +79,50 @@ def decode_logits(lm, input_ids: torch.Tensor, positions: torch.Tensor, cache: C
 def verify_logits(lm, cache: Cache, tokens: list[list[int]], positions: list[int]
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
     """A speculative verify in one `DecodePlan.verify` call: row b's tokens `tokens[b]` (its last pick,
-    then its drafts; T each) at mRoPE positions positions[b], positions[b] + 1, ... (all three axes,
-    as generated tokens'), written at the cache's next T positions after `cache.begin_verify()`.
-    Returns the final-normed hidden states [B, T, hidden] and the logits [B, T, vocab]; each
-    DeltaNet layer's window and state after each token wait in its slot for `Cache.commit`. None
-    when the plan does not apply (the caller runs the model: lm/serving/speculative.py), e.g. more
-    than kernels.MAX_ROWS tokens in all."""
-    b, t = len(tokens), len(tokens[0])
-    if b * t > kernels.MAX_ROWS or cache.lengths is not None:
+    then its drafts) at mRoPE positions positions[b], positions[b] + 1, ... (all three axes, as
+    generated tokens'), written at the row's next cache positions: the cache's write position after
+    `cache.begin_verify()` (every row the same count of tokens), or each row's own length in a
+    ragged cache (the serving engine's; rows may differ). Returns the final-normed hidden states
+    [N, hidden] and the logits [N, vocab] of the N tokens in order; each DeltaNet layer's window and
+    state after each token wait in its slot for `Cache.commit`. None when the plan does not apply
+    (the caller runs the model: lm/serving/speculative.py), e.g. more than kernels.MAX_ROWS tokens."""
+    counts = [len(row) for row in tokens]
+    n, ragged = sum(counts), cache.lengths is not None
+    if n > kernels.MAX_ROWS or (not ragged and len(set(counts)) > 1):
         return None
-    plan = _step_plans.get(cache) or _plan_with_ends(lm, cache, b)
+    plan = _step_plans.get(cache) or _plan_with_ends(lm, cache, len(tokens))
     if plan is None:
         return None
-    start = cache.length
-    cache.begin(None, t)
-    keep = cache.key_mask[:, : start + t].contiguous() if cache.padded else _NO_MASK
-    after = _verify_steps(cache, b, t)
-    steps = [part.view(b * t, *part.shape[2:]) for pair in after.values() for part in pair]
+    if ragged:
+        starts, keep = cache.lengths.tolist(), _NO_MASK
+    else:
+        start, t = cache.length, counts[0]
+        cache.begin(None, t)
+        starts = [start] * len(tokens)
+        keep = cache.key_mask[:, : start + t].contiguous() if cache.padded else _NO_MASK
+    after = _verify_steps(cache, n)
+    offsets = [sum(counts[:i]) for i in range(len(tokens))]
     hidden, logits = plan.verify([token for row in tokens for token in row],
-                                 [p + j for p in positions for j in range(t)], _states(cache), keep,
-                                 [start + j for _ in tokens for j in range(t)], [i for i in range(b) for _ in range(t)],
-                                 [-1 if j == 0 else i * t + j - 1 for i in range(b) for j in range(t)], steps)  # fmt: skip
-    cache.advance(t)
+                                 [p + j for p, c in zip(positions, counts) for j in range(c)], _states(cache), keep,
+                                 [s + j for s, c in zip(starts, counts) for j in range(c)],
+                                 [i for i, c in enumerate(counts) for _ in range(c)],
+                                 [-1 if j == 0 else o + j - 1 for o, c in zip(offsets, counts) for j in range(c)],
+                                 [part for pair in after.values() for part in pair])  # fmt: skip
+    if not ragged:
+        cache.advance(counts[0])
+    cache.verify_rows = counts
     for i, pair in after.items():
         cache.slots[i].after = pair
-    return hidden.view(b, t, -1), logits.view(b, t, -1)
+    return hidden, logits
 
 
-def _verify_steps(cache: Cache, b: int, t: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Per DeltaNet layer of the cache, buffers for each token's window and state after it ([b, t,
-    ...] each), made once per cache and shape (a verify a step: fresh ones would fault in pages)."""
+def _verify_steps(cache: Cache, n: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per DeltaNet layer of the cache, buffers for each of n tokens' window and state after it ([n,
+    ...] each), made once per cache and count (a verify a step: fresh ones would fault in pages)."""
     held = _verify_buffers.get(cache)
-    if held is None or held[0] != (b, t):
-        held = (b, t), {i: (slot.conv.new_empty(b, t, *slot.conv.shape[1:]),
-                            slot.recurrent.new_empty(b, t, *slot.recurrent.shape[1:]))
-                        for i, slot in cache.slots.items() if not isinstance(slot, KVSlot)}  # fmt: skip
+    if held is None or held[0] != n:
+        held = n, {i: (slot.conv.new_empty(n, *slot.conv.shape[1:]), slot.recurrent.new_empty(n, *slot.recurrent.shape[1:]))
+                   for i, slot in cache.slots.items() if not isinstance(slot, KVSlot)}  # fmt: skip
         _verify_buffers[cache] = held
     return held[1]
 

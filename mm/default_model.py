@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 
 from .tokenizer_files import MODEL_VOCAB_SIZE, TOKENIZER_SPECIAL_TOKENS, write_tokenizer
 
-VERSION = 1
+VERSION = 2
 RANDOM_WEIGHTS_NOTICE = (
     "Using the built-in default model: a tiny Qwen3.5-MoE with RANDOM weights, so answers are "
     "meaningless text. Point at a real checkpoint with --model PATH (or VQA(model=PATH)), e.g. a "
@@ -95,6 +96,7 @@ def build(path: Path) -> None:
     model = transformers.Qwen3_5MoeForConditionalGeneration._from_config(config, dtype=torch.float32)
     _spread(model, _filler_ids(path))
     model.to(torch.bfloat16).save_pretrained(path)
+    add_mtp_layer(path)  # as every real checkpoint ships one: --speculative mtp runs on this model too
     (path / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
 
 
@@ -113,3 +115,45 @@ def _spread(model: torch.nn.Module, filler_ids: torch.Tensor) -> None:
         if p.ndim == 1:
             p.add_(torch.randn(p.shape, generator=g) * 0.1)
     model.lm_head.weight[filler_ids] = 0
+
+
+def add_mtp_layer(path: Path, seed: int = 0, fused_experts: bool = True) -> Path:
+    """Add a multi-token-prediction layer (`mtp.*`, the layout of the real checkpoints) to a saved
+    tiny checkpoint, every tensor random: `fc` [H, 2H], the three norms, and one full-attention
+    decoder layer shaped as the model's own (its experts fused as `experts.gate_up_proj` [E, 2I, H]
+    and `experts.down_proj` [E, H, I], or per expert with `fused_experts=False`). Sets
+    `mtp_num_hidden_layers` to 1 in config.json."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    text["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = load_file(str(path / "model.safetensors"))
+    layer = text["layer_types"].index("full_attention")
+    prefix = next(f"{p}layers.{layer}." for p in ("model.language_model.", "model.")
+                  if f"{p}layers.{layer}.input_layernorm.weight" in tensors)
+    g = torch.Generator().manual_seed(seed + 7)
+    dtype = tensors[f"{prefix}input_layernorm.weight"].dtype  # as the checkpoint's own (bf16 for the built-in one)
+
+    def noise(shape):
+        return (torch.randn(shape, generator=g) * (0.3 if len(shape) == 1 else 0.03)).to(dtype)
+
+    h = text["hidden_size"]
+    mtp = {f"mtp.{n}.weight": noise((h,)) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    mtp["mtp.fc.weight"] = noise((h, 2 * h))
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        if name.startswith(prefix):
+            new = "mtp.layers.0." + name[len(prefix) :]
+            mtp[new] = noise(tuple(tensor.shape))
+            if fused_experts and (m := re.match(r"(.*\.experts)\.(\d+)\.(\w+)\.weight$", new)):
+                experts.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = mtp.pop(new)
+    if experts:
+        base = next(iter(experts)).rsplit(".", 1)[0]
+        count = len(experts[f"{base}.down_proj"])
+        gate_up = [torch.cat([experts[f"{base}.gate_proj"][e], experts[f"{base}.up_proj"][e]]) for e in range(count)]
+        mtp[f"{base}.gate_up_proj"] = torch.stack(gate_up)  # [E, 2I, H]: gate rows, then up
+        mtp[f"{base}.down_proj"] = torch.stack([experts[f"{base}.down_proj"][e] for e in range(count)])  # [E, H, I]
+    save_file({**tensors, **mtp}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path

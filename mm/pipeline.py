@@ -57,7 +57,9 @@ class Output:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
-    timings: dict[str, float] = field(default_factory=dict)  # seconds: prefill, decode, total
+    # seconds: prefill, decode, total; with speculative decoding also draft_acceptance (the share of
+    # the MTP layer's drafts accepted) and tokens_per_step (new tokens per verify forward)
+    timings: dict[str, float] = field(default_factory=dict)
     cached_tokens: int = 0  # prompt tokens taken from the engine's prefix cache
     reasoning_tokens: int = 0  # completion tokens of the thinking, up to and including `</think>`
     # with SamplingParams.logprobs: per token, (id, log-probability, [(id, log-probability)] of the most likely)
@@ -86,14 +88,16 @@ class Pipeline:
     def from_pretrained(cls, path: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None,
                         weights: str = "auto", engine_options: dict[str, Any] | None = None,
                         compute: str = "auto", dequantize_unsupported: bool = False,
-                        mmproj: str | Path | None = None) -> "Pipeline":
+                        mmproj: str | Path | None = None, speculative: str | None = None,
+                        num_speculative_tokens: int = 1) -> "Pipeline":
         """The pipeline of a checkpoint directory (None: the built-in default model, tiny, with RANDOM
         weights, as the front ends take it; said on stderr); `weights` the storage format of the
         large weights (see `mm.load_model`), `compute` how prefill and the vision tower multiply (the
         same). The config is read first (a ConfigError naming what is wrong in config.json), then the
         processor, so that a checkpoint without its tokenizer files fails before its weights are read.
         A `.gguf` file loads with its `mmproj` file, else text-only (mm.gguf_loading; `dequantize_unsupported`
-        and `mmproj` as in `mm.load_model`)."""
+        and `mmproj` as in `mm.load_model`). `speculative="mtp"` decodes with the checkpoint's MTP
+        layer, drafting `num_speculative_tokens` a step (mm.load_model; lm/serving/drafts.py)."""
         if path is None:  # the built-in model, as the front ends take it (mm/default_model.py)
             print(f"WARNING: {RANDOM_WEIGHTS_NOTICE}", file=sys.stderr, flush=True)
             path = default_model_path()
@@ -103,7 +107,8 @@ class Pipeline:
             ModelConfig.from_pretrained(path)
             processor = Processor.from_pretrained(path)
         model = load_model(path, device=device, dtype=dtype, weights=weights, compute=compute,
-                           dequantize_unsupported=dequantize_unsupported, mmproj=mmproj)
+                           dequantize_unsupported=dequantize_unsupported, mmproj=mmproj, speculative=speculative,
+                           num_speculative_tokens=num_speculative_tokens)
         try:
             return cls(model, processor, engine_options=engine_options)
         except TokenizerMismatchError as error:
@@ -301,6 +306,8 @@ class Answer:
         first, end = times.get("first_token", times["finished"]), times["finished"]
         thinking, answer = split_thinking(self.text(), in_thinking=self.in_thinking)
         timings = dict(prefill=first - self.start, decode=end - first, total=end - self.start)
+        if (drafts := self.request.speculative).steps:  # decoded with the MTP layer's drafts
+            timings.update(draft_acceptance=drafts.acceptance, tokens_per_step=drafts.tokens_per_step)
         reasoning = reasoning_tokens(self.tokens, self.pipeline.think_end_id, self.in_thinking)
         logprobs = None
         if self.params.logprobs is not None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling import SamplingParams
+from .speculative import SpeculativeStats
 
 
 class RequestTooLargeError(ValueError):
@@ -54,6 +55,7 @@ class Request:
         self.finish_reason: str | None = None  # "stop", "length" or "cancelled"
         self.error: BaseException | None = None
         self.cached_tokens = 0  # prompt tokens taken from the prefix cache
+        self.speculative = SpeculativeStats()  # its drafts, when it decodes speculatively (drafts.py)
         self.times: dict[str, float] = dict(submitted=time.perf_counter())
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled = threading.Event()

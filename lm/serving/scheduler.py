@@ -9,6 +9,7 @@ rules are the generation core's (runner.py); the rows' states live in the slots 
 from __future__ import annotations
 
 import sys
+import time
 from collections import deque
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from ..model import CausalLM
 from ..sampling import Sampler
 from . import runner
 from .config import EngineConfig, available_bytes, ram_bytes
+from .drafts import Payoff, RowDrafts, verify_step
 from .prefix_cache import PrefixCache
 from .request import Prompt, Request
 from .slots import SlotStore, resumed, row_state, trimmed
@@ -39,6 +41,9 @@ class _Row:
     next_pos: int = 0
     logits: torch.Tensor | None = None  # of the last position in the cache
     reason: str | None = None  # why it ended, once it has (set before its slot is freed)
+    drafts: RowDrafts | None = None  # its MTP state, when it decodes speculatively (drafts.py)
+    exact_end: bool = True  # whether its slot holds exactly its tokens but the last (not so when it
+    # ended inside a run of accepted drafts: then no snapshot is taken of its generation)
 
 
 def prefix_budget(config: EngineConfig) -> int:
@@ -60,15 +65,17 @@ class Scheduler:
         self.store = SlotStore(lm.config, config.max_batch, self.max_len, device=device, dtype=lm.compute_dtype)
         self.prefix = PrefixCache(prefix_budget(config))
         self.counters = dict(steps=0, decode_tokens=0, prefill_tokens=0, grouped_prefills=0, submitted=0, finished=0,
-                             cancelled=0, failed=0)  # fmt: skip
+                             cancelled=0, failed=0, verify_steps=0, drafted=0, accepted=0)  # fmt: skip
         self._waiting: deque[_Row] = deque()
         self._prefilling: _Row | None = None
         self._running: list[_Row] = []  # row i lives in slot i
+        self.payoff = Payoff()  # whether the MTP layer's drafts pay, measured (drafts.py)
 
     def stats(self) -> dict:
         return dict(self.counters, running=len(self._running), waiting=len(self._waiting),
                     prefilling=int(self._prefilling is not None), slot_bytes=self.store.nbytes(),
-                    slot_max_bytes=self.store.max_bytes(), prefix=self.prefix.stats())  # fmt: skip
+                    slot_max_bytes=self.store.max_bytes(), prefix=self.prefix.stats(),
+                    speculative_speedup=self.payoff.speedup)  # fmt: skip
 
     @contextmanager
     def _guard(self, request: Request, row: "_Row | None" = None):
@@ -120,12 +127,15 @@ class Scheduler:
             points = points[:1] + points[len(points) - most + 1 :]
         return set(points)
 
-    def _snapshot(self, key: tuple, cache, logits: torch.Tensor) -> None:
-        """Store a copy of a batch-1 cache's state (len(key) positions) in the prefix cache, unless
-        the copy alone would exceed its whole budget: then it is never made."""
+    def _snapshot(self, key: tuple, cache, logits: torch.Tensor, drafts: RowDrafts | None) -> None:
+        """Store a copy of a batch-1 cache's state (len(key) positions; with the row's MTP state, if
+        it drafts) in the prefix cache, unless the copy alone would exceed its whole budget: then it
+        is never made."""
         size = len(key) * (self.store.kv_bytes_per_token() + 1) + self.store.state_bytes()  # + 1: the key mask
+        if drafts is not None:
+            size += drafts.nbytes()
         if size + logits.numel() * logits.element_size() <= self.prefix.max_bytes:
-            self.prefix.insert(key, trimmed(cache, copy=True), logits)
+            self.prefix.insert(key, _with_drafts(trimmed(cache, copy=True), drafts), logits)
 
     def step(self) -> None:
         """One engine step: drop cancelled requests, decode every running row, spend the rest of the
@@ -171,6 +181,7 @@ class Scheduler:
         row.request._admit()
         snap = self.prefix.lookup(row.key)
         row.request.cached_tokens = len(snap.key) if snap is not None else 0
+        row.drafts = self._row_drafts(row, None if snap is None else snap.state.drafts)
         if snap is not None and len(snap.key) == t:  # the whole prompt is cached: decode at once
             row.done, row.logits = t, snap.logits
             self._begin_decoding(row, snap.state)
@@ -223,7 +234,18 @@ class Scheduler:
             live.append(i)
         try:
             cache = self.lm.make_cache(b, width)
-            logits = runner.prefill(self.lm, cache, inputs_embeds=embeds, attention_mask=mask)
+            drafting = [i for i in live if self._drafts(group[i].request)]
+            if not drafting:
+                logits = runner.prefill(self.lm, cache, inputs_embeds=embeds, attention_mask=mask)
+            else:  # the drafting rows' MTP layers see their prompts too
+                hidden = self.lm.hidden_states(inputs_embeds=embeds, attention_mask=mask, cache=cache)
+                logits = self.lm.lm_head(hidden[:, -1])
+                for i in drafting:
+                    row, t = group[i], len(group[i].key)
+                    with self._guard(row.request, row):
+                        row.drafts = self._row_drafts(row, None)
+                        at = torch.arange(t, device=hidden.device)[None].expand(3, -1)
+                        row.drafts.see_prompt(self.lm, hidden[i, width - t :], at, embeds[i, width - t :])
         except Exception as error:  # noqa: BLE001 - the group's requests fail, the engine goes on
             for i in live:
                 self._fail(group[i].request, error, group[i])
@@ -232,9 +254,11 @@ class Scheduler:
         self.counters["grouped_prefills"] += 1
         for i in live:
             row, t = group[i], len(group[i].key)
+            if row.request.done:
+                continue
             with self._guard(row.request, row):
                 state = row_state(cache, i, width - t)
-                self._snapshot(row.key, state, logits[i])
+                self._snapshot(row.key, state, logits[i], row.drafts)
                 row.done, row.logits = t, logits[i]
                 self._begin_decoding(row, state)
         return b * width
@@ -244,15 +268,22 @@ class Scheduler:
         p, start = row.request.prompt, row.done
         end = min(start + budget, next(s for s in row.stops if s > start))
         positions = p.positions[:, None, start:end] if p.positions is not None else None
-        logits = runner.prefill(self.lm, row.cache, inputs_embeds=self._embeds(p, start, end), positions=positions)[0]
+        embeds = self._embeds(p, start, end)
+        if row.drafts is None:
+            logits = runner.prefill(self.lm, row.cache, inputs_embeds=embeds, positions=positions)[0]
+        else:  # the MTP layer sees the chunk too
+            hidden = self.lm.hidden_states(inputs_embeds=embeds, positions=positions, cache=row.cache)[0]
+            logits = self.lm.lm_head(hidden[-1])
+            at = torch.arange(start, end, device=hidden.device)[None].expand(3, -1) if positions is None else positions[:, 0]
+            row.drafts.see_prompt(self.lm, hidden, at, embeds[0])
         row.done, row.logits = end, logits
         self.counters["prefill_tokens"] += end - start
         t = len(row.key)
         if end < t:
             if end in row.stops:
-                self._snapshot(row.key[:end], row.cache, logits)
+                self._snapshot(row.key[:end], row.cache, logits, row.drafts)
             return end - start
-        self.prefix.insert(row.key, trimmed(row.cache, copy=False), logits)
+        self.prefix.insert(row.key, _with_drafts(trimmed(row.cache, copy=False), row.drafts), logits)
         self._prefilling = None
         self._begin_decoding(row, row.cache)
         row.cache = None
@@ -274,6 +305,8 @@ class Scheduler:
         self._running.append(row)
 
     def _decode(self) -> None:
+        if any(r.drafts is not None for r in self._running):
+            return self._decode_speculative()
         n, running = len(self._running), self._running
         lengths = self.store.lengths[:n].tolist()  # each row's positions in the cache
         self.store.ensure(max(lengths) + 1)
@@ -284,10 +317,7 @@ class Scheduler:
             if ran_model:
                 self.store.sync(view, n)
         except Exception as error:  # noqa: BLE001 - the rows' states are unknown now: they fail, the rest go on
-            while self._running:
-                row = self._remove(len(self._running) - 1)
-                self._fail(row.request, error, row)
-            return
+            return self._fail_running(error)
         self.counters["decode_tokens"] += n
         # every row greedy with no penalty and no rule: one argmax call for all (lm/sampling.py)
         picks = None
@@ -301,15 +331,102 @@ class Scheduler:
                     ended.append(i)
             if row.request.done:  # its sampling failed
                 ended.append(i)
-        for i in sorted(ended, reverse=True):
+        self._end_rows(ended)
+
+    def _say_payoff(self) -> None:
+        """Say once when drafting, measured over at least 4 x Payoff.EVERY steps, makes decoding slower."""
+        speedup, c = self.payoff.speedup, self.counters
+        if speedup is not None and speedup < 1 and self.payoff.steps >= 4 * Payoff.EVERY:
+            rate = c["accepted"] / max(1, c["drafted"])
+            say_once("speculative-slower", f"speculative decoding runs at {speedup:.2f}x the speed of decoding "
+                     f"without drafts here: {rate:.0%} of the MTP layer's drafts are accepted, too few to pay "
+                     "for drafting and verifying (docs/benchmarks.md has where it pays); consider turning it off")
+        return None
+
+    def _fail_running(self, error: BaseException) -> None:
+        """A decode step failed: every running row's state is unknown, so each fails."""
+        while self._running:
+            row = self._remove(len(self._running) - 1)
+            self._fail(row.request, error, row)
+
+    def _end_rows(self, ended: list[int]) -> None:
+        """Free the slots of the running rows at indices `ended` (whose request is over), after a
+        snapshot of each finished generation."""
+        for i in sorted(set(ended), reverse=True):
             row = self._running[i]
             if row.request.done:
                 self._remove(i)
                 continue
-            if self.config.snapshot_generations and self.prefix.max_bytes and len(row.request.tokens) >= 2:
-                key = row.key + tuple(row.request.tokens[:-1])
-                self.prefix.insert(key, self.store.save(i), row.logits)
+            self._snapshot_generation(i, row)
             self._finish(self._remove(i), row.reason)
+
+    def _snapshot_generation(self, i: int, row: _Row) -> None:
+        """At the end of running row i's generation, a snapshot of its slot (prompt and generated
+        tokens but the last) for the next turn of a chat (EngineConfig.snapshot_generations)."""
+        tokens = row.request.tokens
+        if not (self.config.snapshot_generations and self.prefix.max_bytes and len(tokens) >= 2 and row.exact_end):
+            return
+        if row.drafts is not None:
+            with self._guard(row.request, row):
+                row.drafts.settle(self.lm, tokens)
+        self.prefix.insert(row.key + tuple(tokens[:-1]), _with_drafts(self.store.save(i), row.drafts), row.logits)
+
+    def _drafts(self, request: Request) -> bool:
+        """Whether `request` decodes speculatively: the model has its MTP layer and the request asks
+        for neither logprobs nor a constraint (those decode token by token; said once)."""
+        if not self.lm.num_speculative_tokens:
+            return False
+        if request.params.logprobs is not None or request.rule is not None:
+            say_once("engine-no-speculation", "speculative decoding does not apply to requests with logprobs or a "
+                     "constraint: they decode token by token beside the others")  # fmt: skip
+            return False
+        return True
+
+    def _row_drafts(self, row: _Row, stored: RowDrafts | None) -> RowDrafts | None:
+        """A drafting row's MTP state: a copy of a snapshot's, else a fresh one (a snapshot made
+        without one: the layer then sees the prompt from where the prefill resumes)."""
+        if not self._drafts(row.request):
+            return None
+        size = len(row.key) + row.request.params.max_new_tokens + self.lm.num_speculative_tokens + 1
+        return stored.resumed(size) if stored is not None else RowDrafts.new(self.lm, size)
+
+    def _decode_speculative(self) -> None:
+        """One decode step with drafts (drafts.py): every running row verifies its pick and the
+        drafts of its MTP layer, if it drafts, in one forward; each emits its accepted tokens."""
+        n, running, k = len(self._running), self._running, self.lm.num_speculative_tokens
+        k = 0 if self.payoff.plain_now() else k
+        lengths = self.store.lengths[:n].tolist()
+        ks = [min(k, r.request.params.max_new_tokens - len(r.request.tokens) - 1) if r.drafts else 0 for r in running]
+        self.store.ensure(max(length + d + 1 for length, d in zip(lengths, ks)))
+        view = self.store.view(n, max(lengths))
+        stats = [r.request.speculative for r in running]
+        before = [(s.steps, s.drafted, s.accepted) for s in stats]
+        start = time.perf_counter()
+        try:
+            results = verify_step(self.lm, view, [r.drafts for r in running], [r.sampler for r in running],
+                                  [r.request.tokens for r in running], [r.next_pos for r in running], ks, stats)
+        except Exception as error:  # noqa: BLE001 - the rows' states are unknown now: they fail, the rest go on
+            return self._fail_running(error)
+        for s, (steps, drafted, accepted) in zip(stats, before):
+            self.counters["verify_steps"] += s.steps - steps
+            self.counters["drafted"] += s.drafted - drafted
+            self.counters["accepted"] += s.accepted - accepted
+        made = [len(new) for new, _ in results if new is not None]
+        self.payoff.record(time.perf_counter() - start, sum(made) / len(made) if k and made else None)
+        self._say_payoff()
+        ended = []
+        for i, (row, (new, logits)) in enumerate(zip(running, results)):
+            with self._guard(row.request, row):
+                for j, token in enumerate(new or [None]):
+                    row.next_pos += 1
+                    self.counters["decode_tokens"] += 1
+                    if self._sample(row, logits, finish=False, token=token) is not None:
+                        row.exact_end = new is None or j == len(new) - 1
+                        ended.append(i)
+                        break
+            if row.request.done:  # its sampling failed
+                ended.append(i)
+        self._end_rows(ended)
 
     def _sample(self, row: _Row, logits: torch.Tensor, finish: bool = True, token: int | None = None) -> str | None:
         """Sample (unless `token`, the row's pick, is given) and emit one token; returns the finish
@@ -358,3 +475,9 @@ class Scheduler:
         for row in rows:
             if not row.request.done:
                 self._finish(row, None, error)
+
+
+def _with_drafts(state, drafts: RowDrafts | None):
+    """A snapshot's state with a copy of the row's MTP state (drafts.py), if it drafts."""
+    state.drafts = None if drafts is None else drafts.snapshot()
+    return state

@@ -198,7 +198,7 @@ def _step(lm: CausalLM, cache: Cache, mtp_cache: Cache, rows: _Rows, sampler: Sa
         hidden = lm.hidden_states(torch.tensor(tokens, device=device), positions=pos, cache=cache)  # [B, k + 1, H]
         logits = lm.lm_head(hidden)  # [B, k + 1, V]
     else:  # one call of the decode plan's kernels (lm/decode.py)
-        hidden, logits = verified
+        hidden, logits = (part.view(len(tokens), k + 1, -1) for part in verified)
     news = [_accept(sampler, logits[i], row, outputs[row], drafts[i], qs[i]) for i, row in enumerate(rows.ids)]
     if k > 0:
         cache.commit([len(new) for new in news])

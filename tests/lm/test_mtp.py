@@ -301,6 +301,7 @@ def test_a_verify_through_the_decode_plan_equals_the_layers_verify(checkpoints, 
                 if through_plan:
                     verified = decode.verify_logits(lm, cache, tokens, at)
                     assert verified is not None
+                    verified = tuple(part.view(2, 3, -1) for part in verified)
                 else:
                     pos = (torch.tensor(at)[:, None] + torch.arange(3))[None].expand(3, -1, -1)
                     hidden = lm.hidden_states(torch.tensor(tokens), positions=pos, cache=cache)

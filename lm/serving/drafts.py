@@ -1,0 +1,253 @@
+"""Speculative decoding in the serving engine: each row's MTP state, and one draft-and-verify step
+of the running rows (the maths of each part is speculative.py's; this file places it on the slots).
+
+A row that drafts (the model has its MTP layer, and the request asks for neither logprobs nor a
+constraint) owns a `RowDrafts`: the MTP layer's KV cache of that row (batch 1; one position per
+main-model position whose next token the layer has seen) and the main model's final-normed hidden
+states of the tokens committed since (`pending`). Its prompt is fed to the MTP layer chunk by
+chunk as it is prefilled, so a long prompt costs no MTP prefill inside a decode step; prefix
+snapshots carry a copy (`Cache.drafts`), so a resumed prompt drafts as well as a cold one.
+
+One engine step of speculation (`verify_step`):
+1. each drafting row's MTP layer sees its pending states and the tokens after them (the last being
+   the row's pick), then drafts k tokens (fewer near max_new_tokens), recursively; the LM head runs
+   once per draft depth for all rows together;
+2. one verify of every running row's [pick, *drafts] through the decode plan on the slots
+   (lm/decode.py verify_logits: each row at its own length), or, beyond its 8 tokens, row by row
+   through the layers on a batch-1 view of the row's slot;
+3. each drafting row accepts as speculative._accept does (greedy: the longest prefix of drafts
+   equal to its picks; sampled: speculative sampling), and its slot keeps the accepted tokens'
+   states (Cache.commit; a ragged row just counts them). Rows that do not draft verify their one
+   token: their logits go back to the scheduler, which samples them as in a plain step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import decode
+from ..cache import Cache, KVSlot, LinearSlot
+from ..model import CausalLM
+from ..sampling import Sampler, argmax
+from .slots import resumed, trimmed
+from .speculative import SpeculativeStats, _accept
+
+
+class RowDrafts:
+    """The MTP state of one engine row (see the module docstring)."""
+
+    def __init__(self, cache: Cache, hidden: torch.Tensor, positions: torch.Tensor):
+        self.cache = cache  # the MTP layer's KV cache, batch 1
+        self.hidden = hidden  # [P, H] pending: main-model states of committed tokens the layer has not seen
+        self.positions = positions  # [3, P] their positions
+
+    @classmethod
+    def new(cls, lm: CausalLM, max_len: int) -> "RowDrafts":
+        h = lm.config.hidden_size
+        device, dtype = lm.lm_head.weight.device, lm.compute_dtype
+        return cls(lm.mtp.make_cache(1, max_len), torch.zeros(0, h, device=device, dtype=dtype),
+                   torch.zeros(3, 0, dtype=torch.long, device=device))  # fmt: skip
+
+    @property
+    def pending(self) -> int:
+        return self.hidden.shape[0]
+
+    def nbytes(self) -> int:
+        return self.cache.nbytes() + self.hidden.numel() * self.hidden.element_size()
+
+    def snapshot(self) -> "RowDrafts":
+        """A copy for a prefix snapshot (the pending tensors are never written in place: shared)."""
+        return RowDrafts(trimmed(self.cache, copy=True), self.hidden, self.positions)
+
+    def resumed(self, max_len: int) -> "RowDrafts":
+        """A copy that can grow to `max_len` positions (a request resuming from a snapshot)."""
+        return RowDrafts(resumed(self.cache, max_len), self.hidden, self.positions)
+
+    def see(self, lm: CausalLM, hidden: torch.Tensor, positions: torch.Tensor, next_embeds: torch.Tensor | None = None
+            ) -> torch.Tensor | None:  # fmt: skip
+        """Append the states hidden [n, H] at positions [3, n] of n newly committed tokens to the
+        pending ones, then run the MTP layer over the first m pending ones with next_embeds [m, H],
+        the embeddings of the tokens after them. Returns the layer's output [m, H] (None for m = 0)."""
+        self.hidden = torch.cat([self.hidden, hidden])
+        self.positions = torch.cat([self.positions, positions], dim=1)
+        m = 0 if next_embeds is None else next_embeds.shape[0]
+        if m == 0:
+            return None
+        pos = self.positions[:, None, :m]
+        g = lm.mtp(next_embeds[None], self.hidden[None, :m], lm.model.rotary_emb(pos, next_embeds.dtype), self.cache)
+        self.hidden, self.positions = self.hidden[m:], self.positions[:, m:]
+        return g[0]
+
+    def see_prompt(self, lm: CausalLM, hidden: torch.Tensor, positions: torch.Tensor, embeds: torch.Tensor) -> None:
+        """A prefilled chunk of the prompt: hidden [n, H] at positions [3, n], embeds [n, H] its
+        tokens' input embeddings (the fused ones of an image prompt). The layer sees every pending
+        state but the chunk's last, whose next token is not known yet."""
+        m = self.pending + hidden.shape[0] - 1
+        self.see(lm, hidden, positions, embeds[embeds.shape[0] - m :] if m else None)
+
+    def settle(self, lm: CausalLM, tokens: list[int]) -> None:
+        """Before a snapshot of a finished generation whose last `pending` tokens are `tokens` (the
+        last of them not in the cache): the layer sees every pending state but the last."""
+        if self.pending > 1:
+            ids = torch.tensor(tokens[-self.pending : -1], device=self.hidden.device)
+            self.see(lm, self.hidden[:0], self.positions[:, :0], lm.embed(ids[None])[0])
+
+
+class Payoff:
+    """Whether drafting pays here: every `EVERY`-th step of the drafting rows runs without drafts,
+    and the engine compares the new tokens a second of the two kinds of steps (rows of either kind
+    see the same batch). `speedup` is None until enough steps of both were timed."""
+
+    EVERY, PLAIN_STEPS = 32, 4
+
+    def __init__(self):
+        self.steps = 0
+        self.spec = [0.0, 0.0, 0]  # seconds, new tokens per drafting row, steps
+        self.plain = [0.0, 0]  # seconds, steps
+
+    def plain_now(self) -> bool:
+        """Whether this step runs without drafts (a timed one)."""
+        self.steps += 1
+        return self.steps % self.EVERY == 0
+
+    def record(self, seconds: float, tokens_per_row: float | None) -> None:
+        """A step of `seconds`: with drafts (`tokens_per_row`: its drafting rows' mean new tokens), or
+        without (None)."""
+        if tokens_per_row is None:
+            self.plain[0] += seconds
+            self.plain[1] += 1
+        else:
+            self.spec[0] += seconds
+            self.spec[1] += tokens_per_row
+            self.spec[2] += 1
+
+    @property
+    def speedup(self) -> float | None:
+        """Tokens a second with drafts / without, once PLAIN_STEPS steps without were timed."""
+        if self.plain[1] < self.PLAIN_STEPS or not self.spec[2]:
+            return None
+        return (self.spec[1] / self.spec[0]) / (self.plain[1] / self.plain[0])
+
+
+def draft_all(lm: CausalLM, drafts: list[RowDrafts], tokens: list[list[int]], positions: list[int], ks: list[int],
+              pick) -> list[list[int]]:  # fmt: skip
+    """Each row's ks[i] drafts (rows with k = 0 draft nothing). tokens[i]: the row's generated tokens
+    so far (the last is its pick at positions[i], not in the caches); pick(i, logits [V]) -> token."""
+    rows = [i for i, k in enumerate(ks) if k > 0]
+    out: list[list[int]] = [[] for _ in ks]
+    if not rows:
+        return out
+    device = lm.lm_head.weight.device
+    committed = {i: drafts[i].cache.length + drafts[i].pending for i in rows}
+    g = {}
+    for i in rows:  # the pending states, each with the token after it (the last: the pick)
+        d = drafts[i]
+        ids = torch.tensor(tokens[i][-d.pending :], device=device)
+        g[i] = d.see(lm, d.hidden[:0], d.positions[:, :0], lm.embed(ids[None])[0])[-1:]
+    for j in range(max(ks)):
+        live = [i for i in rows if ks[i] > j]
+        if j > 0:  # the layer again on its own output and the token it drafted (vLLM's recursion)
+            for i in live:
+                pos = torch.full((3, 1, 1), positions[i] + j - 1, device=device)
+                d = drafts[i]
+                x = lm.embed(torch.tensor([[out[i][-1]]], device=device))
+                g[i] = lm.mtp(x, g[i][None], lm.model.rotary_emb(pos, x.dtype), d.cache)[0]
+        logits = lm.lm_head(torch.cat([g[i] for i in live])).float()  # one head read for all rows
+        for i, row in zip(live, logits):
+            out[i].append(pick(i, row))
+    for i in rows:
+        drafts[i].cache.truncate(committed[i])
+    return out
+
+
+def verify_step(lm: CausalLM, view: Cache, drafts: list[RowDrafts | None], samplers: list[Sampler],
+                outputs: list[list[int]], positions: list[int], ks: list[int], stats: list[SpeculativeStats]
+                ) -> list[tuple[list[int] | None, torch.Tensor]]:  # fmt: skip
+    """One speculative step of the n running rows of the slots (`view`: their ragged cache). Per
+    row: a drafting row's new tokens (1 to ks[i] + 1: its accepted drafts and its own pick) and the
+    logits [V] its last one was picked from; a row without drafts (drafts[i] None): None and its
+    logits of a plain step, to be sampled by the caller. outputs[i]: row i's generated tokens (the last one its pick, not yet in the cache),
+    positions[i] that pick's position."""
+    qs: list[list[torch.Tensor]] = [[] for _ in ks]
+    so_far: list[list[int]] = [[] for _ in ks]
+
+    def pick(i: int, logits: torch.Tensor) -> int:  # greedy rows: the argmax; sampled ones: drawn from q
+        sampler = samplers[i]
+        if sampler.params[0].greedy:
+            token = argmax(logits)
+        else:
+            qs[i].append(q := sampler.distribution(logits, 0, outputs[i] + so_far[i]))
+            token = sampler.draw(q, 0)
+        so_far[i].append(token)
+        return token
+
+    ks = [k if d is not None and d.pending else 0 for k, d in zip(ks, drafts)]
+    made = draft_all(lm, drafts, outputs, positions, ks, pick)
+    tokens = [[out[-1], *d] for out, d in zip(outputs, made)]
+    verified = decode.verify_logits(lm, view, tokens, positions)
+    caches = None
+    if verified is None:
+        hidden, logits, caches = _verify_rows(lm, view, tokens, positions)
+    else:
+        hidden, logits = verified
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    results: list[tuple[list[int] | None, torch.Tensor]] = []
+    for i, (t, at) in enumerate(zip(tokens, offsets)):
+        if drafts[i] is None:
+            results.append((None, logits[at]))
+            continue
+        new = _accept(samplers[i], logits[at : at + len(t)], 0, outputs[i], made[i], qs[i])
+        results.append((new, logits[at + len(new) - 1]))
+        if ks[i]:
+            stats[i].steps += 1
+            stats[i].drafted += ks[i]
+            stats[i].accepted += len(new) - 1
+        pos = torch.arange(positions[i], positions[i] + len(new), device=hidden.device)[None].expand(3, -1)
+        drafts[i].see(lm, hidden[at : at + len(new)], pos)
+    kept = [1 if new is None else len(new) for new, _ in results]
+    if caches is None:
+        view.commit(kept)
+    else:
+        for i, n in enumerate(kept):
+            _commit_row(view, caches[i], i, n)
+    return results
+
+
+def _row_cache(view: Cache, row: int) -> Cache:
+    """A batch-1 cache over slot `row` of a ragged view (views of the store: written in place)."""
+    kv, linear = {}, {}
+    for i, slot in view.slots.items():
+        if isinstance(slot, KVSlot):
+            kv[i] = (slot.k[row : row + 1], slot.v[row : row + 1])
+        else:
+            linear[i] = (slot.conv[row : row + 1], slot.recurrent[row : row + 1])
+    return Cache.over(kv, linear, length=int(view.lengths[row]), max_len=view.max_len)
+
+
+def _verify_rows(lm: CausalLM, view: Cache, tokens: list[list[int]], positions: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[Cache]]:  # fmt: skip
+    """The verify row by row through the layers (beyond the decode plan's 8 tokens, or without it):
+    each on a batch-1 cache over its slot, left open for `_commit_row`."""
+    hidden, caches = [], []
+    device = lm.lm_head.weight.device
+    for i, (t, p) in enumerate(zip(tokens, positions)):
+        caches.append(cache := _row_cache(view, i))
+        cache.begin_verify()
+        pos = torch.arange(p, p + len(t), device=device)[None, None].expand(3, 1, -1)
+        hidden.append(lm.hidden_states(torch.tensor([t], device=device), positions=pos, cache=cache)[0])
+    hidden = torch.cat(hidden)
+    return hidden, lm.lm_head(hidden), caches
+
+
+def _commit_row(view: Cache, cache: Cache, row: int, kept: int) -> None:
+    """Keep `kept` tokens of row `row`'s verify through the layers (on `cache`, over its slot), its
+    states back in the slot."""
+    cache.commit(kept)
+    for i, slot in cache.slots.items():
+        if isinstance(slot, LinearSlot):  # the reference DeltaNet path may replace the tensors
+            own = view.slots[i]
+            for new, stored in ((slot.conv, own.conv[row : row + 1]), (slot.recurrent, own.recurrent[row : row + 1])):
+                if new.data_ptr() != stored.data_ptr():
+                    stored.copy_(new)
+    view.lengths[row] += kept
+    view.length = int(view.lengths.max())
