@@ -65,13 +65,14 @@ class _Record:
     completion_tokens: int | None = None
     first: float | None = None
     finish: str = "-"
+    drafts: str = ""  # with speculative decoding: its acceptance and new tokens per verify step
 
     def line(self) -> str:
         ttft = "-" if self.first is None else f"{self.first - self.start:.3f}s"
         tokens = lambda n: "-" if n is None else str(n)  # noqa: E731
         return (f"{self.rid} status={self.status} prompt_tokens={tokens(self.prompt_tokens)} "
                 f"completion_tokens={tokens(self.completion_tokens)} ttft={ttft} "
-                f"total={time.perf_counter() - self.start:.3f}s finish={self.finish}")  # fmt: skip
+                f"total={time.perf_counter() - self.start:.3f}s finish={self.finish}{self.drafts}")  # fmt: skip
 
 
 def create_app(backend: Backend, config: ServeConfig) -> FastAPI:
@@ -327,6 +328,9 @@ async def _sse(chat: ChatCompletionRequest, model: str, record: _Record, generat
 def _finished(record: _Record, output: Any, calls: int) -> None:
     record.prompt_tokens, record.completion_tokens = output.prompt_tokens, output.completion_tokens
     record.finish = shape.finish_reason(output, calls)
+    if "tokens_per_step" in output.timings:
+        record.drafts = (f" draft_acceptance={output.timings['draft_acceptance']:.2f} "
+                         f"tokens_per_step={output.timings['tokens_per_step']:.2f}")  # fmt: skip
 
 
 _event = shape.event

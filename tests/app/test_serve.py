@@ -147,3 +147,22 @@ def test_client_disconnect_mid_stream_frees_the_slot(server, client):
     while f"{first['id']} status=499" not in server.log() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert re.search(re.escape(first["id"]) + r" status=499 .*finish=cancelled", server.log())
+
+
+def test_speculative_server_answers_as_without_and_logs_its_drafts(client, tmp_path):
+    """`--speculative mtp`: the same greedy answer as the server without it, and the request's log
+    line says its draft acceptance and tokens per verify step."""
+    from tests.app.serve_helpers import start_server, stop_server
+
+    want = _ask(client, "Hello, who are you?", tokens=12).choices[0].message.content
+    spec = start_server(["--api-key", API_KEY, "--speculative", "mtp", "--num-speculative-tokens", "2"],
+                        tmp_path / "server.log")  # fmt: skip
+    try:
+        other = openai.OpenAI(base_url=f"{spec.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        assert _ask(other, "Hello, who are you?", tokens=12).choices[0].message.content == want
+        deadline = time.time() + 10
+        while "tokens_per_step=" not in spec.log() and time.time() < deadline:
+            time.sleep(0.05)
+        assert re.search(r"status=200 .* draft_acceptance=\d\.\d\d tokens_per_step=\d\.\d\d", spec.log())
+    finally:
+        stop_server(spec)
