@@ -157,6 +157,13 @@ class Sampler:
             return probs
         return torch.zeros_like(scores).index_put_((candidates,), probs)
 
+    def logprobs_of(self, logits: torch.Tensor, row: int, output: list[int], token: int
+                    ) -> tuple[float, list[tuple[int, float]]]:  # fmt: skip
+        """What __call__ records in `logprobs` for a row with logprobs that picked `token` after
+        logits [V] and its tokens so far (`output`): the log-softmax after the bias and penalties."""
+        p = self.params[row]
+        return _logprobs(_penalise(logits.float(), p, self.prompts[row], output), token, p.logprobs or 0)
+
     def draw(self, probs: torch.Tensor, row: int) -> int:
         """A token drawn from probs [V] with the row's generator."""
         return int(torch.multinomial(probs, 1, generator=self.generators[row]))

@@ -169,6 +169,7 @@ class GrammarState:
         self.not_high = None if surrogates is None else pack_tokens(~surrogates.high)
         self.surrogates = surrogates
         self.after_lead = False  # the last token ended in byte ED
+        self._leads: list[bool] = []  # after_lead before each token taken (for rollback)
 
     @property
     def done(self) -> bool:
@@ -178,7 +179,15 @@ class GrammarState:
     def take(self, token: int) -> None:
         if not self.matcher.accept_token(token):
             raise ConstraintError(f"token {token} does not fit the grammar")  # only a rule-less pick could
+        self._leads.append(self.after_lead)
         self.after_lead = self.surrogates is not None and token in self.surrogates.lead
+
+    def rollback(self, n: int) -> None:
+        """Forget the last `n` tokens taken (speculative drafts: lm/serving/drafts.py)."""
+        if n:
+            self.matcher.rollback(n)
+            self.after_lead = self._leads[-n]
+            del self._leads[-n:]
 
     def bits(self) -> torch.Tensor:
         """The next token's mask as int32 words (TokenRule.bits' layout, a new tensor): the grammar's
@@ -208,19 +217,33 @@ class GrammarRule:
         self.end_ids = tuple(end_ids)
         self.thinking, self.think_end = in_thinking, think_end
         self.seen = 0
+        self._steps: list[tuple[bool, bool]] = []  # per token seen: (thinking before it, whether the grammar took it)
 
     def __call__(self, tokens: list[int]) -> TokenRule | None:
         for token in tokens[self.seen :]:
             self.seen += 1
+            took = not self.thinking and not self.state.done
+            self._steps.append((self.thinking, took))
             if self.thinking:
                 self.thinking = token != self.think_end
-            elif not self.state.done:
+            elif took:
                 self.state.take(token)
         if self.thinking:
             return None
         if self.state.done:
             return TokenRule(allow=self.end_ids)
         return TokenRule(bits=self.state.bits())
+
+    def rollback_to(self, length: int) -> None:
+        """Back to the state after the first `length` tokens (speculative drafts that were shown to
+        the rule for their masks and then dropped: lm/serving/drafts.py)."""
+        if length >= self.seen:
+            return
+        undone = self._steps[length:]
+        self.state.rollback(sum(took for _, took in undone))
+        self.thinking = undone[0][0]
+        del self._steps[length:]
+        self.seen = length
 
 
 class BudgetRule:
@@ -229,18 +252,36 @@ class BudgetRule:
 
     def __init__(self, budget: int, closing: Sequence[int], think_end: int, inner: Rule | None):
         self.budget, self.closing, self.think_end, self.inner = budget, tuple(closing), think_end, inner
-        self.closed = False
+        self.closed_at: int | None = None  # the count of tokens up to and including `</think>`
         self.seen = 0
+
+    @property
+    def closed(self) -> bool:
+        return self.closed_at is not None
 
     def __call__(self, tokens: list[int]) -> TokenRule | None:
         if not self.closed and self.think_end in tokens[self.seen :]:
-            self.closed = True
+            self.closed_at = self.seen + tokens[self.seen :].index(self.think_end) + 1
         self.seen = len(tokens)
         if not self.closed and len(tokens) >= self.budget:
             forced = len(tokens) - self.budget
             if forced < len(self.closing):
                 return TokenRule(allow=(self.closing[forced],))
         return self.inner(tokens) if self.inner is not None else None
+
+    def rollback_to(self, length: int) -> None:
+        """Back to the state after the first `length` tokens (see GrammarRule.rollback_to); an inner
+        rule without rollback_to is never shown drafts (lm/serving/drafts.py checks `rewinds`)."""
+        self.seen = min(self.seen, length)
+        if self.closed_at is not None and self.closed_at > length:
+            self.closed_at = None
+        if self.inner is not None:
+            self.inner.rollback_to(length)
+
+    @property
+    def rewinds(self) -> bool:
+        """Whether this rule and its inner one can roll back (drafts may be shown to it)."""
+        return self.inner is None or hasattr(self.inner, "rollback_to")
 
 
 def reasoning_tokens(tokens: Sequence[int], think_end: int | None, in_thinking: bool) -> int:

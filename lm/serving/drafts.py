@@ -28,9 +28,9 @@ import torch
 from .. import decode
 from ..cache import Cache, KVSlot, LinearSlot
 from ..model import CausalLM
-from ..sampling import Sampler, argmax
+from ..sampling import argmax
 from .slots import resumed, trimmed
-from .speculative import SpeculativeStats, _accept
+from .speculative import accept
 
 
 class RowDrafts:
@@ -160,19 +160,30 @@ def draft_all(lm: CausalLM, drafts: list[RowDrafts], tokens: list[list[int]], po
     return out
 
 
-def verify_step(lm: CausalLM, view: Cache, drafts: list[RowDrafts | None], samplers: list[Sampler],
-                outputs: list[list[int]], positions: list[int], ks: list[int], stats: list[SpeculativeStats]
-                ) -> list[tuple[list[int] | None, torch.Tensor]]:  # fmt: skip
-    """One speculative step of the n running rows of the slots (`view`: their ragged cache). Per
-    row: a drafting row's new tokens (1 to ks[i] + 1: its accepted drafts and its own pick) and the
-    logits [V] its last one was picked from; a row without drafts (drafts[i] None): None and its
-    logits of a plain step, to be sampled by the caller. outputs[i]: row i's generated tokens (the last one its pick, not yet in the cache),
-    positions[i] that pick's position."""
-    qs: list[list[torch.Tensor]] = [[] for _ in ks]
-    so_far: list[list[int]] = [[] for _ in ks]
+def verify_step(lm: CausalLM, view: Cache, rows: list, ks: list[int]) -> list[tuple]:
+    """One speculative step of the n running rows of the slots (`view`: their ragged cache); `rows`
+    are the scheduler's (each with its `drafts`, `sampler`, `next_pos` and `request`: its tokens so
+    far, the last one its pick at next_pos, not yet in the cache; its rule and params), ks[i] the
+    drafts row i may make. Per row: (its new tokens: 1 to ks[i] + 1, the accepted drafts and its own
+    pick; the logits [V] the last one was picked from; with logprobs, each one's (log-probability,
+    top ones), else None), or (None, the error) for a row whose rule failed (it alone ends)."""
+    outputs = [r.request.tokens for r in rows]
+    rules = [r.request.rule for r in rows]
+    masks = [rule is not None and hasattr(rule, "rollback_to") and getattr(rule, "rewinds", True) for rule in rules]
+    qs: list[list[torch.Tensor]] = [[] for _ in rows]
+    so_far: list[list[int]] = [[] for _ in rows]
 
-    def pick(i: int, logits: torch.Tensor) -> int:  # greedy rows: the argmax; sampled ones: drawn from q
-        sampler = samplers[i]
+    def pick(i: int, logits: torch.Tensor) -> int:
+        """A draft of row i: under its rule when it can be rolled back (the draft then fits the
+        constraint, as its verify will require); greedy: the argmax, sampled: drawn from q."""
+        if masks[i]:
+            try:
+                if (constraint := rules[i](outputs[i] + so_far[i])) is not None:
+                    logits = constraint.apply(logits)
+            except Exception:  # noqa: BLE001 - no draft fits: the row's verify says why (it alone fails)
+                masks[i] = False
+                rules[i].rollback_to(len(outputs[i]))
+        sampler = rows[i].sampler
         if sampler.params[0].greedy:
             token = argmax(logits)
         else:
@@ -181,30 +192,40 @@ def verify_step(lm: CausalLM, view: Cache, drafts: list[RowDrafts | None], sampl
         so_far[i].append(token)
         return token
 
-    ks = [k if d is not None and d.pending else 0 for k, d in zip(ks, drafts)]
-    made = draft_all(lm, drafts, outputs, positions, ks, pick)
+    ks = [k if r.drafts.pending else 0 for k, r in zip(ks, rows)]
+    made = [[] for _ in rows]
+    try:
+        made = draft_all(lm, [r.drafts for r in rows], outputs, [r.next_pos for r in rows], ks, pick)
+    finally:  # the rules saw the drafts for their masks: back to the tokens so far
+        for rule, masked, output in zip(rules, masks, outputs):
+            if masked:
+                rule.rollback_to(len(output))
     tokens = [[out[-1], *d] for out, d in zip(outputs, made)]
+    positions = [r.next_pos for r in rows]
     verified = decode.verify_logits(lm, view, tokens, positions)
     caches = None
     if verified is None:
         hidden, logits, caches = _verify_rows(lm, view, tokens, positions)
     else:
         hidden, logits = verified
-    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-    results: list[tuple[list[int] | None, torch.Tensor]] = []
-    for i, (t, at) in enumerate(zip(tokens, offsets)):
-        if drafts[i] is None:
-            results.append((None, logits[at]))
+    results, at = [], 0
+    for i, (row, t) in enumerate(zip(rows, tokens)):
+        lps = [] if row.request.params.logprobs is not None else None
+        try:
+            new = accept(row.sampler, logits[at : at + len(t)], 0, outputs[i], made[i], qs[i], rules[i], lps)
+        except Exception as error:  # noqa: BLE001 - e.g. a grammar that admits no token: this row alone
+            results.append((None, error))
+            at += len(t)
             continue
-        new = _accept(samplers[i], logits[at : at + len(t)], 0, outputs[i], made[i], qs[i])
-        results.append((new, logits[at + len(new) - 1]))
+        results.append((new, logits[at + len(new) - 1], lps))
         if ks[i]:
-            stats[i].steps += 1
-            stats[i].drafted += ks[i]
-            stats[i].accepted += len(new) - 1
+            row.request.speculative.steps += 1
+            row.request.speculative.drafted += ks[i]
+            row.request.speculative.accepted += len(new) - 1
         pos = torch.arange(positions[i], positions[i] + len(new), device=hidden.device)[None].expand(3, -1)
-        drafts[i].see(lm, hidden[at : at + len(new)], pos)
-    kept = [1 if new is None else len(new) for new, _ in results]
+        row.drafts.see(lm, hidden[at : at + len(new)], pos)
+        at += len(t)
+    kept = [1 if r[0] is None else len(r[0]) for r in results]
     if caches is None:
         view.commit(kept)
     else:

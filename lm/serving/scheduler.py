@@ -372,15 +372,8 @@ class Scheduler:
         self.prefix.insert(row.key + tuple(tokens[:-1]), _with_drafts(self.store.save(i), row.drafts), row.logits)
 
     def _drafts(self, request: Request) -> bool:
-        """Whether `request` decodes speculatively: the model has its MTP layer and the request asks
-        for neither logprobs nor a constraint (those decode token by token; said once)."""
-        if not self.lm.num_speculative_tokens:
-            return False
-        if request.params.logprobs is not None or request.rule is not None:
-            say_once("engine-no-speculation", "speculative decoding does not apply to requests with logprobs or a "
-                     "constraint: they decode token by token beside the others")  # fmt: skip
-            return False
-        return True
+        """Whether `request` decodes speculatively: whenever the model has its MTP layer."""
+        return bool(self.lm.num_speculative_tokens)
 
     def _row_drafts(self, row: _Row, stored: RowDrafts | None) -> RowDrafts | None:
         """A drafting row's MTP state: a copy of a snapshot's, else a fresh one (a snapshot made
@@ -392,54 +385,61 @@ class Scheduler:
 
     def _decode_speculative(self) -> None:
         """One decode step with drafts (drafts.py): every running row verifies its pick and the
-        drafts of its MTP layer, if it drafts, in one forward; each emits its accepted tokens."""
+        drafts of its MTP layer in one forward; each emits its accepted tokens."""
         n, running, k = len(self._running), self._running, self.lm.num_speculative_tokens
         k = 0 if self.payoff.plain_now() else k
         lengths = self.store.lengths[:n].tolist()
-        ks = [min(k, r.request.params.max_new_tokens - len(r.request.tokens) - 1) if r.drafts else 0 for r in running]
+        ks = [min(k, r.request.params.max_new_tokens - len(r.request.tokens) - 1) for r in running]
         self.store.ensure(max(length + d + 1 for length, d in zip(lengths, ks)))
         view = self.store.view(n, max(lengths))
-        stats = [r.request.speculative for r in running]
-        before = [(s.steps, s.drafted, s.accepted) for s in stats]
+        before = [(r.request.speculative.steps, r.request.speculative.drafted, r.request.speculative.accepted)
+                  for r in running]  # fmt: skip
         start = time.perf_counter()
         try:
-            results = verify_step(self.lm, view, [r.drafts for r in running], [r.sampler for r in running],
-                                  [r.request.tokens for r in running], [r.next_pos for r in running], ks, stats)
+            results = verify_step(self.lm, view, running, ks)
         except Exception as error:  # noqa: BLE001 - the rows' states are unknown now: they fail, the rest go on
             return self._fail_running(error)
-        for s, (steps, drafted, accepted) in zip(stats, before):
+        for row, (steps, drafted, accepted) in zip(running, before):
+            s = row.request.speculative
             self.counters["verify_steps"] += s.steps - steps
             self.counters["drafted"] += s.drafted - drafted
             self.counters["accepted"] += s.accepted - accepted
-        made = [len(new) for new, _ in results if new is not None]
+        made = [len(r[0]) for r in results if r[0] is not None]
         self.payoff.record(time.perf_counter() - start, sum(made) / len(made) if k and made else None)
         self._say_payoff()
         ended = []
-        for i, (row, (new, logits)) in enumerate(zip(running, results)):
+        for i, (row, result) in enumerate(zip(running, results)):
+            new, logits = result[:2]
+            if new is None:  # its rule failed
+                self._fail(row.request, logits, row)
+                ended.append(i)
+                continue
             with self._guard(row.request, row):
-                for j, token in enumerate(new or [None]):
+                for j, token in enumerate(new):
                     row.next_pos += 1
                     self.counters["decode_tokens"] += 1
-                    if self._sample(row, logits, finish=False, token=token) is not None:
-                        row.exact_end = new is None or j == len(new) - 1
+                    logprob = None if result[2] is None else result[2][j]
+                    if self._sample(row, logits, finish=False, token=token, logprob=logprob) is not None:
+                        row.exact_end = j == len(new) - 1
                         ended.append(i)
                         break
             if row.request.done:  # its sampling failed
                 ended.append(i)
         self._end_rows(ended)
 
-    def _sample(self, row: _Row, logits: torch.Tensor, finish: bool = True, token: int | None = None) -> str | None:
-        """Sample (unless `token`, the row's pick, is given) and emit one token; returns the finish
-        reason when it ends the request (finished at once unless `finish` is False: then the caller
-        frees the slot first)."""
+    def _sample(self, row: _Row, logits: torch.Tensor, finish: bool = True, token: int | None = None,
+                logprob: tuple | None = None) -> str | None:  # fmt: skip
+        """Sample (unless `token`, the row's pick, is given, with its `logprob` record when the
+        request asks for them) and emit one token; returns the finish reason when it ends the
+        request (finished at once unless `finish` is False: then the caller frees the slot first)."""
         request = row.request
         row.logits = logits
         if token is None:
             if request.rule is not None and (rule := request.rule(request.tokens)) is not None:
                 logits = rule.apply(logits)
             token = row.sampler(logits[None], [0], [request.tokens])[0]
-        if request.params.logprobs is not None:
-            request.logprobs.append(row.sampler.logprobs[0])  # before the token: a reader sees both
+        if request.params.logprobs is not None:  # before the token: a reader sees both
+            request.logprobs.append(row.sampler.logprobs[0] if logprob is None else logprob)
         request._token(token)
         reason = runner.finish_reason(request.tokens, request.params, self.eos, request.stop_when)
         if reason is not None:

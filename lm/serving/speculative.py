@@ -199,7 +199,7 @@ def _step(lm: CausalLM, cache: Cache, mtp_cache: Cache, rows: _Rows, sampler: Sa
         logits = lm.lm_head(hidden)  # [B, k + 1, V]
     else:  # one call of the decode plan's kernels (lm/decode.py)
         hidden, logits = (part.view(len(tokens), k + 1, -1) for part in verified)
-    news = [_accept(sampler, logits[i], row, outputs[row], drafts[i], qs[i]) for i, row in enumerate(rows.ids)]
+    news = [accept(sampler, logits[i], row, outputs[row], drafts[i], qs[i]) for i, row in enumerate(rows.ids)]
     if k > 0:
         cache.commit([len(new) for new in news])
         stats.steps += 1
@@ -209,23 +209,35 @@ def _step(lm: CausalLM, cache: Cache, mtp_cache: Cache, rows: _Rows, sampler: Sa
     return news
 
 
-def _accept(sampler: Sampler, logits: torch.Tensor, row: int, output: list[int], drafts: list[int],
-            qs: list[torch.Tensor]) -> list[int]:  # fmt: skip
+def accept(sampler: Sampler, logits: torch.Tensor, row: int, output: list[int], drafts: list[int],
+           qs: list[torch.Tensor], rule=None, logprobs: list | None = None) -> list[int]:  # fmt: skip
     """The main model's tokens from logits [k + 1, V] of [token, *drafts]: the accepted drafts, then
     a token of its own. Greedy: its picks up to the first that differs from the draft it verifies.
-    Sampled (`qs`: the distributions the drafts were drawn from): speculative_pick per draft."""
+    Sampled (`qs`: the distributions the drafts were drawn from): speculative_pick per draft. A
+    `rule` (the serving engine's constraint: tokens so far -> TokenRule or None) masks each
+    position's logits as it would a plain step's, shown only the tokens accepted before it; with
+    `logprobs` (a list) each token's (log-probability, top ones) is appended, as a plain step's."""
     new: list[int] = []
-    if not sampler.params[row].greedy:
-        for j, (d, q) in enumerate(zip(drafts, qs)):
-            token, kept = speculative_pick(sampler.distribution(logits[j], row, output + new), q, d,
-                                           sampler.generators[row])  # fmt: skip
-            new.append(token)
-            if not kept:
-                return new
-        return [*new, sampler.draw(sampler.distribution(logits[len(drafts)], row, output + new), row)]
+    greedy = sampler.params[row].greedy
     for j in range(len(drafts) + 1):
-        new.append(sampler(logits[j : j + 1], [row], {row: output + new})[0])
-        if j == len(drafts) or new[-1] != drafts[j]:
+        scores = logits[j]
+        if rule is not None and (constraint := rule(output + new)) is not None:
+            scores = constraint.apply(scores)
+        if greedy:
+            token = sampler(scores[None], [row], {row: output + new})[0]
+            kept = j < len(drafts) and token == drafts[j]
+            if logprobs is not None:
+                logprobs.append(sampler.logprobs[row])
+        else:
+            p = sampler.distribution(scores, row, output + new)
+            if j < len(drafts):
+                token, kept = speculative_pick(p, qs[j], drafts[j], sampler.generators[row])
+            else:
+                token, kept = sampler.draw(p, row), False
+            if logprobs is not None:
+                logprobs.append(sampler.logprobs_of(scores, row, output + new, token))
+        new.append(token)
+        if not kept:
             return new
     return new
 

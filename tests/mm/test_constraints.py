@@ -170,3 +170,29 @@ def test_a_grammar_that_admits_no_token_fails_its_request_alone(pipeline):
         doomed.output()
     _check(other.output(), SCHEMA)
     assert pipeline.engine.alive
+
+
+def test_rules_roll_back_to_any_earlier_length(pipeline):
+    """A grammar rule inside a thinking budget (the rules speculative drafts are shown to, then
+    rolled back: lm/serving/drafts.py): after rollback_to(n), the next masks are those of a rule
+    that only ever saw the first n tokens, across the thinking's end and the grammar's start."""
+    params = _params(3, thinking=True)
+    tokens = pipeline.generate([HI], params, enable_thinking=True)[0].token_ids
+    end = tokens.index(pipeline.think_end_id) + 1
+
+    def masks(rule, upto: range) -> list:
+        out = []
+        for n in upto:
+            allowed = rule(tokens[:n])
+            out.append(None if allowed is None else allowed.apply(torch.zeros(pipeline.model.lm.config.vocab_size)))
+        return out
+
+    walk = range(end - 3, end + 6)
+    fresh = masks(pipeline.constraint_rule(params, True), walk)
+    rule = pipeline.constraint_rule(params, True)
+    masks(rule, range(0, end + 6))  # far ahead, then back before </think> and on again
+    rule.rollback_to(end - 3)
+    for ours, ref in zip(masks(rule, walk), fresh):
+        assert (ours is None and ref is None) or torch.equal(ours, ref)
+    rule.rollback_to(end + 2)  # inside the grammar: the matcher rolls back
+    assert torch.equal(masks(rule, range(end + 2, end + 3))[0], fresh[5])

@@ -1,12 +1,13 @@
 """The pipeline with the MTP layer's speculative decoding, on the built-in default model (which ships
-an MTP layer, as real checkpoints do): images, videos, a chat's prefix-cache hit and a constrained
-request beside drafting ones give the answers without it."""
+an MTP layer, as real checkpoints do): images, videos, a chat's prefix-cache hit, constrained
+requests (a JSON schema, a thinking budget, a tool call) give the answers without it."""
 
 import json
 import threading
 
 import numpy as np
 import pytest
+import torch
 
 from app.default_model import default_model_path
 from lm import SamplingParams
@@ -60,7 +61,7 @@ def test_media_chat_and_a_constrained_request_equal_the_answers_without(monkeypa
     schema = SamplingParams(max_new_tokens=40, json_schema=SCHEMA)
     want = [plain.generate([c], greedy, enable_thinking=False)[0] for c in convs]
     want_json = plain.generate([_ask("A number?")], schema, enable_thinking=False)[0]
-    made = _forced(monkeypatch, [o.token_ids for o in want])
+    made = _forced(monkeypatch, [o.token_ids for o in [*want, want_json]])
     results = {}
 
     def ask(i):
@@ -77,8 +78,8 @@ def test_media_chat_and_a_constrained_request_equal_the_answers_without(monkeypa
     for i, ref in enumerate(want):
         assert results[i].token_ids == ref.token_ids
         assert results[i].timings["tokens_per_step"] > 1 and results[i].timings["draft_acceptance"] == 1.0
-    constrained = results[len(convs)]
-    assert constrained.token_ids == want_json.token_ids and "tokens_per_step" not in constrained.timings
+    constrained = results[len(convs)]  # its drafts verified under its grammar, as a plain step's pick
+    assert constrained.token_ids == want_json.token_ids and constrained.timings["tokens_per_step"] > 1
     assert json.loads(constrained.text)["n"] in (1, 2, 3)
     assert sum(made) > 0
     # turn 2 of the image chat resumes from turn 1's snapshot, with its MTP state
@@ -94,3 +95,47 @@ def test_sampled_answers_are_reproducible_with_a_seed(pipelines):
     first = spec.generate([_ask("Tell a story.")], params)[0]
     assert spec.generate([_ask("Tell a story.")], params)[0].token_ids == first.token_ids
     assert first.timings["tokens_per_step"] >= 1
+
+
+def test_drafts_under_a_grammar_fit_it(monkeypatch, pipelines):
+    """The MTP layer's own drafts for a JSON-schema request are masked by its grammar (rolled back
+    after): every draft it makes is a token the grammar allows there, and the answer is the one
+    without MTP; so is a thinking budget's."""
+    plain, spec = pipelines
+    shown = []
+    real = drafts.draft_all
+
+    def recording(lm, states, outputs, positions, ks, pick):
+        out = real(lm, states, outputs, positions, ks, pick)
+        shown.extend((list(o), list(d)) for o, d in zip(outputs, out) if d)
+        return out
+
+    monkeypatch.setattr(drafts, "draft_all", recording)
+    schema = SamplingParams(max_new_tokens=40, json_schema=SCHEMA)
+    want = plain.generate([_ask("A number?")], schema, enable_thinking=False)[0]
+    got = spec.generate([_ask("A number?")], schema, enable_thinking=False)[0]
+    assert got.token_ids == want.token_ids and shown
+    for output, made in shown:  # replay: each draft fits a fresh walk of the grammar
+        rule = spec.constraint_rule(schema, False)
+        for j, token in enumerate(made):
+            allowed = rule(output + made[:j])
+            assert allowed is None or bool(allowed.apply(torch.zeros(spec.model.lm.config.vocab_size))[token] == 0)
+    budget = SamplingParams(max_new_tokens=30, thinking_budget=8)
+    assert (spec.generate([_ask("Think.")], budget, enable_thinking=True)[0].token_ids
+            == plain.generate([_ask("Think.")], budget, enable_thinking=True)[0].token_ids)  # fmt: skip
+
+
+def test_a_tool_call_rule_without_rollback_verifies_unmasked_drafts(pipelines):
+    """tool_choice's rule (app/tool_choice.py) cannot roll back, so it is never shown drafts: the
+    drafts come unmasked and each position is verified under the rule as in a plain step."""
+    from app.tool_choice import ToolCallRule
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+    answers = []
+    for pipeline in pipelines:
+        rule = ToolCallRule(pipeline.processor.tokenizer, [weather], pipeline.model.eos_token_ids(), in_thinking=False,
+                            value_tokens=4, max_tokens=60, grammars=pipeline.grammars)  # fmt: skip
+        answers.append(pipeline.submit(_ask("Weather?"), SamplingParams(max_new_tokens=60), enable_thinking=False,
+                                       template_kwargs={"tools": [weather]}, rule=rule).output())  # fmt: skip
+    assert answers[0].token_ids == answers[1].token_ids and answers[1].timings["tokens_per_step"] >= 1

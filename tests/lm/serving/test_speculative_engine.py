@@ -157,28 +157,41 @@ def test_prefix_snapshots_carry_the_mtp_state(monkeypatch, mtp_path):
     engine.close()
 
 
-def test_rows_with_logprobs_decode_beside_drafting_rows(monkeypatch, mtp_path, capsys):
-    """A request with logprobs does not draft (said once) and decodes in the same steps as drafting
-    ones: its tokens and log-probabilities equal those without MTP."""
-    from lm.kernels import compute
-
-    monkeypatch.setattr(compute, "_said", set())
+@pytest.mark.parametrize("sampled", [False, True])
+def test_logprobs_with_drafts_equal_those_without(monkeypatch, mtp_path, sampled):
+    """Requests with logprobs draft too: each accepted token's (log-probability, top ones) is the
+    log-softmax at its own position of the verify (after penalties), as a plain step reports it.
+    Greedy with right drafts: tokens and logprobs equal those without MTP. Sampled (temperature 1,
+    a repetition penalty): every reported log-probability equals a reference log-softmax of the
+    main model's logits after the tokens before it."""
     plain, lm = _models(mtp_path("moe_text"), 2)
     specs = [(_prompt(30 + i, n), m) for i, (n, m) in enumerate([(12, 10), (20, 8), (7, 9)])]
-    ref = Engine(plain, prefix_cache_bytes=0)
-    want = ref.submit(specs[1][0], SamplingParams(max_new_tokens=8, logprobs=3))
-    want.result()
+    params = [SamplingParams(max_new_tokens=m, logprobs=3, temperature=1.0 if sampled else 0.0,
+                             repetition_penalty=1.3 if sampled else 1.0, seed=i) for i, (_, m) in enumerate(specs)]
+    ref = Engine(plain, max_batch=3, prefix_cache_bytes=0)
+    want = [ref.submit(ids, p) for (ids, _), p in zip(specs, params)]
+    truths = [w.result() for w in want]
     ref.close()
+    if not sampled:
+        _forced(monkeypatch, truths, wrong_last=True)
     engine = Engine(lm, max_batch=3, prefix_cache_bytes=0)
-    handles = [engine.submit(ids, SamplingParams(max_new_tokens=m, logprobs=3 if i == 1 else None))
-               for i, (ids, m) in enumerate(specs)]  # fmt: skip
-    for (ids, m), h in zip(specs, handles):
-        assert h.result() == _alone(plain, ids, m)
-    assert handles[1].speculative.drafted == 0 and handles[0].speculative.drafted > 0
-    assert len(handles[1].logprobs) == len(want.logprobs) == 8
-    for (lp, top), (ref_lp, ref_top) in zip(handles[1].logprobs, want.logprobs):
-        assert lp == pytest.approx(ref_lp, abs=1e-5) and [i for i, _ in top] == [i for i, _ in ref_top]
-    assert capsys.readouterr().err.count("speculative decoding does not apply") == 1
+    handles = [engine.submit(ids, p) for (ids, _), p in zip(specs, params)]
+    for (ids, m), p, h, w in zip(specs, params, handles, want):
+        tokens = h.result()
+        assert len(h.logprobs) == len(tokens) == m and h.speculative.drafted > 0
+        if not sampled:
+            assert tokens == w.tokens and h.speculative.accepted > 0
+            for (lp, top), (ref_lp, ref_top) in zip(h.logprobs, w.logprobs):
+                assert lp == pytest.approx(ref_lp, abs=1e-4) and [i for i, _ in top] == [i for i, _ in ref_top]
+            continue
+        logits = plain(torch.tensor([ids + tokens[:-1]]))[0, len(ids) - 1 :]  # the logits before each token
+        for j, (lp, top) in enumerate(h.logprobs):
+            seen = torch.tensor(sorted(set(ids) | set(tokens[:j])))
+            scores = logits[j].clone()
+            scores[seen] = torch.where(scores[seen] > 0, scores[seen] / 1.3, scores[seen] * 1.3)
+            ref_logp = torch.log_softmax(scores, -1)
+            assert lp == pytest.approx(float(ref_logp[tokens[j]]), abs=1e-4)
+            assert [i for i, _ in top] == ref_logp.topk(3).indices.tolist()
     engine.close()
 
 
