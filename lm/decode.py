@@ -78,17 +78,19 @@ def decode_logits(lm, input_ids: torch.Tensor, positions: torch.Tensor, cache: C
 
 def verify_logits(lm, cache: Cache, tokens: list[list[int]], positions: list[int]
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
-    """A speculative verify in one `DecodePlan.verify` call: row b's tokens `tokens[b]` (its last pick,
+    """A speculative verify through `DecodePlan.verify`: row b's tokens `tokens[b]` (its last pick,
     then its drafts) at mRoPE positions positions[b], positions[b] + 1, ... (all three axes, as
     generated tokens'), written at the row's next cache positions: the cache's write position after
     `cache.begin_verify()` (every row the same count of tokens), or each row's own length in a
-    ragged cache (the serving engine's; rows may differ). Returns the final-normed hidden states
-    [N, hidden] and the logits [N, vocab] of the N tokens in order; each DeltaNet layer's window and
-    state after each token wait in its slot for `Cache.commit`. None when the plan does not apply
-    (the caller runs the model: lm/serving/speculative.py), e.g. more than kernels.MAX_ROWS tokens."""
+    ragged cache (the serving engine's; rows may differ). One call for up to kernels.MAX_ROWS
+    tokens; more go in calls of consecutive rows of at most that many tokens each (each call reads
+    the weights once). Returns the final-normed hidden states [N, hidden] and the logits [N, vocab]
+    of the N tokens in order; each DeltaNet layer's window and state after each token wait in its
+    slot for `Cache.commit`. None when the plan does not apply (the caller runs the model:
+    lm/serving/speculative.py)."""
     counts = [len(row) for row in tokens]
-    n, ragged = sum(counts), cache.lengths is not None
-    if n > kernels.MAX_ROWS or (not ragged and len(set(counts)) > 1):
+    n, ragged, most = sum(counts), cache.lengths is not None, kernels.MAX_ROWS
+    if max(counts) > most or (not ragged and len(set(counts)) > 1):
         return None
     plan = _step_plans.get(cache) or _plan_with_ends(lm, cache, len(tokens))
     if plan is None:
@@ -101,19 +103,29 @@ def verify_logits(lm, cache: Cache, tokens: list[list[int]], positions: list[int
         starts = [start] * len(tokens)
         keep = cache.key_mask[:, : start + t].contiguous() if cache.padded else _NO_MASK
     after = _verify_steps(cache, n)
-    offsets = [sum(counts[:i]) for i in range(len(tokens))]
-    hidden, logits = plan.verify([token for row in tokens for token in row],
-                                 [p + j for p, c in zip(positions, counts) for j in range(c)], _states(cache), keep,
-                                 [s + j for s, c in zip(starts, counts) for j in range(c)],
-                                 [i for i, c in enumerate(counts) for _ in range(c)],
-                                 [-1 if j == 0 else o + j - 1 for o, c in zip(offsets, counts) for j in range(c)],
-                                 [part for pair in after.values() for part in pair])  # fmt: skip
+    states, parts, first, offset = _states(cache), [], 0, 0
+    while first < len(tokens):  # rows [first, last) in one call
+        last, m = first, 0
+        while last < len(tokens) and m + counts[last] <= most:
+            m, last = m + counts[last], last + 1
+        rows = range(first, last)
+        offsets = [sum(counts[first:i]) for i in rows]
+        parts.append(plan.verify([token for i in rows for token in tokens[i]],
+                                 [positions[i] + j for i in rows for j in range(counts[i])],
+                                 [state[first:last] for state in states], keep[first:last] if keep.numel() else keep,
+                                 [starts[i] + j for i in rows for j in range(counts[i])],
+                                 [i - first for i in rows for _ in range(counts[i])],
+                                 [-1 if j == 0 else o + j - 1 for i, o in zip(rows, offsets) for j in range(counts[i])],
+                                 [part[offset : offset + m] for pair in after.values() for part in pair]))  # fmt: skip
+        first, offset = last, offset + m
     if not ragged:
         cache.advance(counts[0])
     cache.verify_rows = counts
     for i, pair in after.items():
         cache.slots[i].after = pair
-    return hidden, logits
+    if len(parts) == 1:
+        return parts[0][0], parts[0][1]
+    return torch.cat([h for h, _ in parts]), torch.cat([lg for _, lg in parts])
 
 
 def _verify_steps(cache: Cache, n: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

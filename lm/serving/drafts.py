@@ -13,8 +13,8 @@ One engine step of speculation (`verify_step`):
    the row's pick), then drafts k tokens (fewer near max_new_tokens), recursively; the LM head runs
    once per draft depth for all rows together;
 2. one verify of every running row's [pick, *drafts] through the decode plan on the slots
-   (lm/decode.py verify_logits: each row at its own length), or, beyond its 8 tokens, row by row
-   through the layers on a batch-1 view of the row's slot;
+   (lm/decode.py verify_logits: each row at its own length; more than 8 tokens in calls of at most
+   8), or, without the plan, row by row through the layers on a batch-1 view of the row's slot;
 3. each drafting row accepts as speculative._accept does (greedy: the longest prefix of drafts
    equal to its picks; sampled: speculative sampling), and its slot keeps the accepted tokens'
    states (Cache.commit; a ragged row just counts them). Rows that do not draft verify their one
@@ -247,7 +247,7 @@ def _row_cache(view: Cache, row: int) -> Cache:
 
 def _verify_rows(lm: CausalLM, view: Cache, tokens: list[list[int]], positions: list[int]
                  ) -> tuple[torch.Tensor, torch.Tensor, list[Cache]]:  # fmt: skip
-    """The verify row by row through the layers (beyond the decode plan's 8 tokens, or without it):
+    """The verify row by row through the layers (without the decode plan, e.g. off the CPU):
     each on a batch-1 cache over its slot, left open for `_commit_row`."""
     hidden, caches = [], []
     device = lm.lm_head.weight.device

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..kernels.compute import say_once
 from ..model import CausalLM
 from ..sampling import Sampler, SamplingParams
 from . import runner
@@ -54,14 +53,13 @@ def stream_generate(
     `stop_when(row, tokens)` may end a row early (e.g. on a stop string); it finishes with "stop".
     A model loaded with its MTP layer (`lm.num_speculative_tokens` > 0) decodes speculatively
     (speculative.py): greedy rows give the same tokens, sampled ones tokens of the same distribution
-    (speculative sampling); rows with logprobs or constraints decode token by token (said once).
-    `stats` then counts its drafts.
+    (speculative sampling). `stats` then counts its drafts.
     """
     try:
-        if lm.num_speculative_tokens and (why := _no_speculation(_row_params(params, len(input_ids)))) is not None:
-            say_once(f"no-speculation-{why}", f"speculative decoding does not apply to {why}; decoding token by "
-                     "token")  # fmt: skip
-        elif lm.num_speculative_tokens:
+        if any(p.constrained for p in _row_params(params, len(input_ids))):
+            raise ValueError("json_schema, regex, grammar and thinking_budget are enforced by a rule: generate "
+                             "through mm.Pipeline (mm/constraints.py)")  # fmt: skip
+        if lm.num_speculative_tokens:
             yield from _speculative(lm, input_ids, params, attention_mask, inputs_embeds, positions, eos_token_ids,
                                     prefill_chunk, max_len, stop_when, SpeculativeStats() if stats is None else stats)
             return
@@ -75,9 +73,6 @@ def _generate(lm, input_ids, params, attention_mask, inputs_embeds, positions, e
               max_len, stop_when) -> Iterator[TokenEvent]:
     b, t = input_ids.shape
     params = _row_params(params, b)
-    if any(p.constrained for p in params):
-        raise ValueError("json_schema, regex, grammar and thinking_budget are enforced by a rule: generate "
-                         "through mm.Pipeline (mm/constraints.py)")  # fmt: skip
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     prompts = [ids[m.bool()].tolist() for ids, m in zip(input_ids, mask)]
     cache = lm.make_cache(b, max_len or t + max(p.max_new_tokens for p in params))
@@ -112,13 +107,6 @@ def _row_params(params: SamplingParams | list[SamplingParams], b: int) -> list[S
     if len(params) != b:
         raise ValueError(f"{len(params)} SamplingParams for a batch of {b}")
     return params
-
-
-def _no_speculation(params: list[SamplingParams]) -> str | None:
-    """Why speculative decoding cannot run this generation, or None."""
-    if any(p.logprobs is not None or p.constrained for p in params):
-        return "logprobs or constraints"
-    return None
 
 
 def _speculative(lm, input_ids, params, attention_mask, inputs_embeds, positions, eos_token_ids, prefill_chunk,

@@ -7,7 +7,7 @@ A step, with `next` the last picked token (not yet in the caches) and K drafts:
    committed tokens are dropped at once (`Cache.truncate`): the next step rewrites them from the
    main model's hidden states.
 2. verify: one forward of the main model over [next, d1..dK] gives K + 1 pickings; on CPU, with
-   at most 8 tokens in all, one call of the decode plan (lm/decode.py verify_logits: the decode
+   at most 8 rows, calls of the decode plan of up to 8 tokens (lm/decode.py verify_logits: the decode
    step's kernels over the rows' tokens, each sequence's chained), else the layers one by one.
 3. accept. Greedy rows: the longest prefix of drafts equal to the main model's own picks, plus the
    main model's pick after it: 1 to K + 1 new tokens per forward, the same tokens as greedy
@@ -194,7 +194,7 @@ def _step(lm: CausalLM, cache: Cache, mtp_cache: Cache, rows: _Rows, sampler: Sa
     steps = torch.arange(k + 1, device=device)
     pos = (torch.tensor(rows.next_positions, device=device)[:, None] + steps)[None].expand(3, -1, -1)
     verified = decode.verify_logits(lm, cache, tokens, rows.next_positions) if k > 0 else None
-    if verified is None:  # the layers one by one (no decode plan, or more than 8 tokens in all)
+    if verified is None:  # the layers one by one (no decode plan, or more than 8 rows)
         hidden = lm.hidden_states(torch.tensor(tokens, device=device), positions=pos, cache=cache)  # [B, k + 1, H]
         logits = lm.lm_head(hidden)  # [B, k + 1, V]
     else:  # one call of the decode plan's kernels (lm/decode.py)

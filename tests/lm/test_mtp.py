@@ -279,31 +279,40 @@ def test_a_rejected_token_leaves_no_trace_in_the_caches(checkpoints, kind):
     torch.testing.assert_close(after[0], after[1], rtol=0, atol=1e-5)
 
 
+ROUNDS = {  # rows x tokens: (tokens per row, kept per row) per round
+    (2, 3): [([[7, 8, 9], [10, 11, 12]], [1, 3]), ([[13, 14, 15], [16, 17, 18]], [3, 2])],
+    (3, 4): [([[7, 8, 9, 20], [10, 11, 12, 21], [30, 31, 32, 33]], [1, 4, 2]),
+             ([[13, 14, 15, 22], [16, 17, 18, 23], [34, 35, 36, 37]], [4, 2, 3])],  # 12 tokens: 2 calls
+}
+
+
 @pytest.mark.parametrize("kind", ["moe_text", "dense_text"])
-def test_a_verify_through_the_decode_plan_equals_the_layers_verify(checkpoints, kind):
-    """A left-padded batch of 2 prompts verifies 3 tokens each twice, through the decode plan (one
-    call, lm/decode.py verify_logits) and through the layers: hidden states and logits within 1e-5
-    relative (the kernels sum in another order), and after commit([1, 3]) and then commit([3, 2])
-    every DeltaNet window and state, KV buffer and the key mask as the layers leave them."""
+@pytest.mark.parametrize("shape", list(ROUNDS))
+def test_a_verify_through_the_decode_plan_equals_the_layers_verify(checkpoints, kind, shape):
+    """A left-padded batch verifies 3 tokens a row (2 rows: one plan call) or 4 (3 rows: 12 tokens,
+    two calls of at most 8) twice, through the decode plan (lm/decode.py verify_logits) and through
+    the layers: hidden states and logits within 1e-5 relative (the kernels sum in another order),
+    and after each round's commit every DeltaNet window and state, KV buffer and the key mask as the
+    layers leave them."""
     from lm import decode
 
     lm = mm.load_model(checkpoints(kind)[1]).lm
-    ids, mask = _left_padded(BATCH[:2])
-    rounds = [([[7, 8, 9], [10, 11, 12]], [1, 3]), ([[13, 14, 15], [16, 17, 18]], [3, 2])]
+    rows, t = shape
+    ids, mask = _left_padded(BATCH[:rows])
     caches, outputs = [], []
     for through_plan in (True, False):
-        cache, seen = lm.make_cache(2, 60), []
+        cache, seen = lm.make_cache(rows, 60), []
         with torch.no_grad():
             lm.hidden_states(ids, attention_mask=mask, cache=cache)
             at = [int(m.sum()) for m in mask]
-            for tokens, kept in rounds:
+            for tokens, kept in ROUNDS[shape]:
                 cache.begin_verify()
                 if through_plan:
                     verified = decode.verify_logits(lm, cache, tokens, at)
                     assert verified is not None
-                    verified = tuple(part.view(2, 3, -1) for part in verified)
+                    verified = tuple(part.view(rows, t, -1) for part in verified)
                 else:
-                    pos = (torch.tensor(at)[:, None] + torch.arange(3))[None].expand(3, -1, -1)
+                    pos = (torch.tensor(at)[:, None] + torch.arange(t))[None].expand(3, -1, -1)
                     hidden = lm.hidden_states(torch.tensor(tokens), positions=pos, cache=cache)
                     verified = hidden, lm.lm_head(hidden)
                 seen.append(verified)
@@ -333,18 +342,12 @@ def test_drafting_leaves_the_mtp_cache_with_the_committed_positions_only(mtp_che
     assert all(torch.equal(a, b) for a, b in zip(_states(cache), _states(fresh)))
 
 
-def test_logprobs_decode_without_drafts_and_say_so_once(monkeypatch, mtp_checkpoint, capsys):
-    """A row asking for logprobs decodes token by token (the same tokens as without MTP), said once."""
-    from lm.kernels import compute
-
-    monkeypatch.setattr(compute, "_said", set())
+def test_a_constrained_generation_is_refused_with_or_without_mtp(mtp_checkpoint):
+    """Rules live in mm.Pipeline's engine; stream_generate refuses a constrained row either way."""
     path = mtp_checkpoint("moe_text")
-    plain, lm = mm.load_model(path).lm, mm.load_model(path, speculative="mtp").lm
-    stats, asked = SpeculativeStats(), SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, logprobs=2)
-    assert generate(lm, PROMPT, asked, stats=stats) == generate(plain, PROMPT, asked)
-    assert stats.steps == stats.drafted == 0
-    generate(lm, PROMPT, asked)
-    assert capsys.readouterr().err.count("speculative decoding does not apply to logprobs or constraints") == 1
+    for lm in (mm.load_model(path).lm, mm.load_model(path, speculative="mtp").lm):
+        with pytest.raises(ValueError, match="enforced by a rule: generate through mm.Pipeline"):
+            generate(lm, PROMPT, SamplingParams(max_new_tokens=6, regex="a+"))
 
 
 CHI2_7_DOF = 24.32  # chi-square bound at p = 0.001 for 7 degrees of freedom (8 tokens)
