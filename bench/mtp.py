@@ -1,16 +1,19 @@
 """Speculative decoding with the MTP layer (lm/serving/speculative.py): what one step costs.
 
-    python -m bench.mtp [--config 35b|0.8b] [--layers N] [--weights int4] [--batches 1,4,8]
+    python -m bench.mtp [--config 35b|0.8b|27b] [--layers N] [--weights int4] [--batches 1,4,8]
                         [--k 1,2,3] [--new 24] [--rounds 2]
 
-The model is built from a real config (tests/data/reference; `--layers N` keeps its first N
-layers) with its MTP layer and random weights, straight in the storage format (bench.big's build,
-no checkpoint written). Random weights draft tokens the main model never picks (acceptance ~0:
+The model is built from a real config (tests/data/reference; 27b: the 0.8B config with
+Qwen3.5-27B's sizes: hidden 5120, 24 / 4 attention heads, 48 DeltaNet value heads, MLP 17408,
+untied head; `--layers N` keeps its first N layers) with its MTP layer and random weights, straight
+in the storage format (bench.big's build, no checkpoint written). Random weights draft tokens the main model never picks (acceptance ~0:
 real acceptance cannot be shown here), so a speculative step yields one token per row and costs
 what drafting K tokens, verifying K + 1 and rolling back cost. Its time against a plain decode step
 of the same batch (in turns, best of `--rounds`) is the ratio r; the expected speedup at a per-draft
 acceptance a (drafts accepted independently, each with probability a) is E / r with
-E = (1 - a^(K+1)) / (1 - a) tokens per step.
+E = (1 - a^(K+1)) / (1 - a) tokens per step. The step's parts are timed too: drafting (the MTP
+layer and the LM head, K times), the verify forward of K + 1 tokens a row (against the decode step:
+the issue's verify(K + 1) / step), and the rest (accepting, the rollback's state copies).
 """
 
 from __future__ import annotations
@@ -22,22 +25,27 @@ import time
 import torch
 
 from bench.big import CONFIG, fill_random
-from lm import SamplingParams, kernels, stream_generate
+from lm import SamplingParams, decode, kernels, stream_generate
 from lm.formats import policy
-from lm.serving import SpeculativeStats
+from lm.serving import SpeculativeStats, speculative
 from mm.config import ModelConfig
 from mm.loading import allocate, set_compute
 from mm.model import VLModel
 
-CONFIGS = {"35b": CONFIG, "0.8b": CONFIG.with_name("qwen3.5-0.8b.config.json")}
+CONFIGS = {"35b": CONFIG, "0.8b": CONFIG.with_name("qwen3.5-0.8b.config.json"), "27b": None}
+SIZES_27B = dict(hidden_size=5120, num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48,
+                 intermediate_size=17408, tie_word_embeddings=False)  # ../checkpoints: Qwen3.5 / 3.6-27B
 ACCEPTANCE = (0.6, 0.8, 0.9)
 
 
 def build(config_name: str, layers: int | None, weights: str, k: int) -> VLModel:
     """The model of a reference config (first `layers` layers) with its MTP layer drafting k tokens,
     random weights in the storage of `weights` (a one-block vision tower, unused)."""
-    raw = json.loads(CONFIGS[config_name].read_text())
+    raw = json.loads((CONFIGS[config_name] or CONFIGS["0.8b"]).read_text())
     text = raw.get("text_config", raw)
+    if config_name == "27b":
+        text.update(SIZES_27B)
+        raw["tie_word_embeddings"] = False
     if layers:
         text["num_hidden_layers"] = layers
         text["layer_types"] = text["layer_types"][:layers]
@@ -54,16 +62,45 @@ def build(config_name: str, layers: int | None, weights: str, k: int) -> VLModel
     return model
 
 
-def per_step(lm, batch: int, new: int, k: int) -> tuple[float, float]:
+class Parts:
+    """Seconds spent in drafting and in the verify forward (speculative.draft, decode.verify_logits,
+    wrapped while a generation runs)."""
+
+    def __init__(self):
+        self.seconds = {"draft": 0.0, "verify": 0.0}
+
+    def __enter__(self):
+        self.saved = speculative.draft, decode.verify_logits
+        speculative.draft, decode.verify_logits = self._timed("draft", self.saved[0]), self._timed("verify", self.saved[1])
+        return self
+
+    def __exit__(self, *exc):
+        speculative.draft, decode.verify_logits = self.saved
+
+    def _timed(self, part, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - start
+
+        return timed
+
+
+def per_step(lm, batch: int, new: int, k: int) -> tuple[float, float, dict]:
     """Seconds per decode step after the prompt's (row 0's first token) with k drafts (0: plain),
-    and the new tokens per step the generation made."""
+    the new tokens per step the generation made, and seconds per step in each part."""
     lm.num_speculative_tokens = k
     stats = SpeculativeStats()
     ids = torch.randint(0, 1000, (batch, 8), generator=torch.Generator().manual_seed(batch))
     params = SamplingParams(max_new_tokens=new, temperature=0.0)
-    stamps = [time.perf_counter() for e in stream_generate(lm, ids, params, stats=stats if k else None) if e.row == 0]
-    steps = stats.steps if k else len(stamps) - 1  # each verify forward after the prompt's / each step
-    return (stamps[-1] - stamps[0]) / max(1, steps), stats.tokens_per_step if k else 1.0
+    with Parts() as parts:
+        stamps = [time.perf_counter() for e in stream_generate(lm, ids, params, stats=stats if k else None)
+                  if e.row == 0]  # fmt: skip
+    steps = max(1, stats.steps if k else len(stamps) - 1)  # each verify forward after the prompt's / each step
+    return (stamps[-1] - stamps[0]) / steps, stats.tokens_per_step if k else 1.0, {
+        name: seconds / steps for name, seconds in parts.seconds.items()}
 
 
 def main() -> None:
@@ -86,15 +123,21 @@ def main() -> None:
         for batch in (int(b) for b in args.batches.split(",")):
             best: dict[int, float] = {}
             made: dict[int, float] = {}
+            parts: dict[int, dict] = {}
             for _ in range(args.rounds):
                 for k in [0, *ks]:
-                    seconds, made[k] = per_step(model.lm, batch, args.new, k)
-                    best[k] = min(best.get(k, float("inf")), seconds)
+                    seconds, made[k], split = per_step(model.lm, batch, args.new, k)
+                    if seconds < best.get(k, float("inf")):
+                        best[k], parts[k] = seconds, split
             for k in ks:
                 r = best[k] / best[0]
                 gains = ", ".join(f"{(1 - a ** (k + 1)) / (1 - a) / r:.2f}x at {a}" for a in ACCEPTANCE)
+                draft, verify = parts[k]["draft"], parts[k]["verify"]
                 print(f"batch {batch}, K={k}: step {best[k] * 1e3:.1f} ms against decode {best[0] * 1e3:.1f} ms "
-                      f"({r:.2f}x; {made[k]:.2f} tokens a step here); expected speedup {gains}", flush=True)
+                      f"({r:.2f}x; {made[k]:.2f} tokens a step here); expected speedup {gains}\n"
+                      f"    draft {draft * 1e3:.1f} ms, verify({k + 1}) {verify * 1e3:.1f} ms = "
+                      f"{verify / best[0]:.2f}x the decode step, the rest {(best[k] - draft - verify) * 1e3:.1f} ms",
+                      flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
