@@ -46,6 +46,7 @@ def build(config_name: str, layers: int | None, weights: str, k: int) -> VLModel
     if config_name == "27b":
         text.update(SIZES_27B)
         raw["tie_word_embeddings"] = False
+        raw["vision_config"]["out_hidden_size"] = SIZES_27B["hidden_size"]
     if layers:
         text["num_hidden_layers"] = layers
         text["layer_types"] = text["layer_types"][:layers]

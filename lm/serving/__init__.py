@@ -9,7 +9,8 @@ prefix cache) and synchronous batched generation, on one generation core.
     request.py       Prompt, Request and their errors
     config.py        EngineConfig: every engine option and its default, written once
     generate.py      stream_generate / generate: one left-padded batch, synchronously
-    speculative.py   greedy speculative decoding with the MTP layer (under stream_generate)
+    speculative.py   speculative decoding with the MTP layer: its maths, and stream_generate's
+    drafts.py        ... in the engine: each row's MTP state, one draft-and-verify step of the slots
 
 `Engine(lm)` runs one background thread that owns the model. Any thread may `submit` a request
 (its prompt and its own `SamplingParams`) and iterate the returned `Request` for its tokens as they
@@ -43,6 +44,12 @@ every `snapshot_every` tokens of long prompts, and at the end of each generation
 
 Greedy outputs equal one-request-at-a-time generation (`stream_generate` with batch 1): every row
 is computed as it would be alone; tests/lm/serving/test_scheduler.py checks this token for token.
+
+With the model's MTP layer loaded (`speculative="mtp"`), step 2 drafts and verifies (drafts.py):
+each row drafts up to K tokens and keeps 1 to K + 1; greedy outputs stay those of one request at a
+time (tests/lm/serving/test_speculative_engine.py). Every 32nd such step runs without drafts, timed,
+and the engine says once when drafting makes decoding slower than that (`stats()`:
+`speculative_speedup`).
 """
 
 from .config import EngineConfig, default_prefix_cache_bytes
