@@ -4,8 +4,8 @@
                         [--k 1,2,3] [--new 24] [--rounds 2]
 
 The model is built from a real config (tests/data/reference; 27b: the 0.8B config with
-Qwen3.5-27B's sizes: hidden 5120, 24 / 4 attention heads, 48 DeltaNet value heads, MLP 17408,
-untied head; `--layers N` keeps its first N layers) with its MTP layer and random weights, straight
+Qwen3.5-27B's sizes: 64 layers, hidden 5120, 24 / 4 attention heads, 48 DeltaNet value heads, MLP
+17408, untied head; `--layers N` keeps its first N layers) with its MTP layer and random weights, straight
 in the storage format (bench.big's build, no checkpoint written). Random weights draft tokens the main model never picks (acceptance ~0:
 real acceptance cannot be shown here), so a speculative step yields one token per row and costs
 what drafting K tokens, verifying K + 1 and rolling back cost. Its time against a plain decode step
@@ -44,7 +44,8 @@ def build(config_name: str, layers: int | None, weights: str, k: int) -> VLModel
     raw = json.loads((CONFIGS[config_name] or CONFIGS["0.8b"]).read_text())
     text = raw.get("text_config", raw)
     if config_name == "27b":
-        text.update(SIZES_27B)
+        text.update(SIZES_27B, num_hidden_layers=64)
+        text["layer_types"] = (["linear_attention"] * 3 + ["full_attention"]) * 16
         raw["tie_word_embeddings"] = False
         raw["vision_config"]["out_hidden_size"] = SIZES_27B["hidden_size"]
     if layers:
@@ -64,19 +65,37 @@ def build(config_name: str, layers: int | None, weights: str, k: int) -> VLModel
 
 
 class Parts:
-    """Seconds spent in drafting and in the verify forward (speculative.draft, decode.verify_logits,
-    wrapped while a generation runs)."""
+    """Seconds spent in the speculative steps that drafted `k` tokens, and in their drafting and
+    verify forwards (speculative._step, .draft, decode.verify_logits, wrapped while a generation
+    runs; a row's last step, with no token left to draft for, is not counted)."""
 
-    def __init__(self):
-        self.seconds = {"draft": 0.0, "verify": 0.0}
+    def __init__(self, k: int):
+        self.k, self.steps = k, 0
+        self.seconds = {"step": 0.0, "draft": 0.0, "verify": 0.0}
 
     def __enter__(self):
-        self.saved = speculative.draft, decode.verify_logits
-        speculative.draft, decode.verify_logits = self._timed("draft", self.saved[0]), self._timed("verify", self.saved[1])
+        self.saved = speculative._step, speculative.draft, decode.verify_logits
+        speculative._step = self._step(self.saved[0])
+        speculative.draft = self._timed("draft", self.saved[1])
+        decode.verify_logits = self._timed("verify", self.saved[2])
         return self
 
     def __exit__(self, *exc):
-        speculative.draft, decode.verify_logits = self.saved
+        speculative._step, speculative.draft, decode.verify_logits = self.saved
+
+    def _step(self, fn):
+        def step(lm, cache, mtp_cache, rows, sampler, outputs, k, stats):
+            start, before = time.perf_counter(), dict(self.seconds)
+            try:
+                return fn(lm, cache, mtp_cache, rows, sampler, outputs, k, stats)
+            finally:
+                if k == self.k:
+                    self.seconds["step"] += time.perf_counter() - start
+                    self.steps += 1
+                else:  # fewer drafts near the end: not this K's step
+                    self.seconds = before
+
+        return step
 
     def _timed(self, part, fn):
         def timed(*args, **kwargs):
@@ -96,12 +115,13 @@ def per_step(lm, batch: int, new: int, k: int) -> tuple[float, float, dict]:
     stats = SpeculativeStats()
     ids = torch.randint(0, 1000, (batch, 8), generator=torch.Generator().manual_seed(batch))
     params = SamplingParams(max_new_tokens=new, temperature=0.0)
-    with Parts() as parts:
+    with Parts(k) as parts:
         stamps = [time.perf_counter() for e in stream_generate(lm, ids, params, stats=stats if k else None)
                   if e.row == 0]  # fmt: skip
-    steps = max(1, stats.steps if k else len(stamps) - 1)  # each verify forward after the prompt's / each step
-    return (stamps[-1] - stamps[0]) / steps, stats.tokens_per_step if k else 1.0, {
-        name: seconds / steps for name, seconds in parts.seconds.items()}
+    if not k:
+        return (stamps[-1] - stamps[0]) / (len(stamps) - 1), 1.0, {}
+    steps = max(1, parts.steps)
+    return parts.seconds["step"] / steps, stats.tokens_per_step, {n: t / steps for n, t in parts.seconds.items()}
 
 
 def main() -> None:
