@@ -83,6 +83,20 @@ def test_engine_with_mtp_equals_one_at_a_time_without(monkeypatch, mtp_path, kin
     engine.close()
 
 
+def test_eight_rows_at_once_with_right_and_wrong_drafts(monkeypatch, mtp_path):
+    """Batch 8 (8 slots, 8 requests together; 3 drafts a row: 32 tokens, verified in calls of at
+    most 8 through the decode plan): every output is its greedy output alone."""
+    plain, lm = _models(mtp_path("moe_text"), 3)
+    specs = [(_prompt(40 + i, 5 + 3 * i), 6 + i) for i in range(8)]
+    truths = [_alone(plain, ids, m) for ids, m in specs]
+    made = _forced(monkeypatch, truths, wrong_last=True)
+    engine = Engine(lm, max_batch=8, prefix_cache_bytes=0)
+    handles = [engine.submit(ids, SamplingParams(max_new_tokens=m)) for ids, m in specs]
+    assert [h.result() for h in handles] == truths
+    assert {which for which, _ in made} == set(range(8))
+    engine.close()
+
+
 @pytest.mark.parametrize("kind", ["moe_text", "dense_text"])
 @pytest.mark.parametrize("through_layers", [False, True])
 def test_rows_accept_their_own_right_drafts_in_the_slots(monkeypatch, mtp_path, kind, through_layers):
