@@ -34,7 +34,7 @@ from mm.model import VLModel
 
 CONFIGS = {"35b": CONFIG, "0.8b": CONFIG.with_name("qwen3.5-0.8b.config.json"), "27b": None}
 SIZES_27B = dict(hidden_size=5120, num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48,
-                 intermediate_size=17408, tie_word_embeddings=False)  # ../checkpoints: Qwen3.5 / 3.6-27B
+                 intermediate_size=17408, tie_word_embeddings=False)  # Qwen3.5 / Qwen3.6-27B's config
 ACCEPTANCE = (0.6, 0.8, 0.9)
 
 
