@@ -1,7 +1,7 @@
 """Speculative decoding with the MTP layer (lm/serving/speculative.py): what one step costs.
 
     python -m bench.mtp [--config 35b|0.8b|27b] [--layers N] [--weights int4] [--batches 1,4,8]
-                        [--k 1,2,3] [--new 24] [--rounds 2]
+                        [--k 1,2,3] [--new 24] [--rounds 2] [--engine]
 
 The model is built from a real config (tests/data/reference; 27b: the 0.8B config with
 Qwen3.5-27B's sizes: 64 layers, hidden 5120, 24 / 4 attention heads, 48 DeltaNet value heads, MLP
@@ -13,7 +13,9 @@ of the same batch (in turns, best of `--rounds`) is the ratio r; the expected sp
 acceptance a (drafts accepted independently, each with probability a) is E / r with
 E = (1 - a^(K+1)) / (1 - a) tokens per step. The step's parts are timed too: drafting (the MTP
 layer and the LM head, K times), the verify forward of K + 1 tokens a row (against the decode step:
-the issue's verify(K + 1) / step), and the rest (accepting, the rollback's state copies).
+the verify(K + 1) / step ratio), and the rest (accepting, the rollback's state copies).
+`--engine` measures the serving engine instead (lm/serving/drafts.py: each row drafts on its own
+MTP cache): B requests together, decode tokens a second with and without drafts, in turns.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from bench.big import CONFIG, fill_random
 from lm import SamplingParams, decode, kernels, stream_generate
 from lm.formats import policy
-from lm.serving import SpeculativeStats, speculative
+from lm.serving import Engine, SpeculativeStats, speculative
 from mm.config import ModelConfig
 from mm.loading import allocate, set_compute
 from mm.model import VLModel
@@ -124,6 +126,24 @@ def per_step(lm, batch: int, new: int, k: int) -> tuple[float, float, dict]:
     return parts.seconds["step"] / steps, stats.tokens_per_step, {n: t / steps for n, t in parts.seconds.items()}
 
 
+def engine_rate(lm, batch: int, new: int, k: int) -> float:
+    """Decode tokens a second of `batch` greedy requests together in the serving engine with k drafts
+    a step (0: none): the tokens of all rows between the last first token and the first last one."""
+    lm.num_speculative_tokens = k
+    engine = Engine(lm, max_batch=batch, prefix_cache_bytes=0)
+    try:
+        prompts = torch.randint(0, 1000, (batch, 8), generator=torch.Generator().manual_seed(batch)).tolist()
+        requests = [engine.submit(ids, SamplingParams(max_new_tokens=new)) for ids in prompts]
+        for r in requests:
+            r.result()
+    finally:
+        engine.close()
+    start = max(r.token_times[0] for r in requests)
+    end = min(r.token_times[-1] for r in requests)
+    made = sum(sum(start < t <= end for t in r.token_times) for r in requests)
+    return made / (end - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="35b", choices=sorted(CONFIGS))
@@ -133,6 +153,7 @@ def main() -> None:
     parser.add_argument("--k", default="1,2,3")
     parser.add_argument("--new", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--engine", action="store_true", help="measure the serving engine's decode rate instead")
     args = parser.parse_args()
     ks = [int(k) for k in args.k.split(",")]
     started = time.perf_counter()
@@ -141,7 +162,17 @@ def main() -> None:
     print(f"{args.config} config, {layers} layers + MTP, {args.weights} weights, random: built in "
           f"{time.perf_counter() - started:.0f} s; threads {torch.get_num_threads()}", flush=True)
     with torch.no_grad():
-        for batch in (int(b) for b in args.batches.split(",")):
+        for batch in (int(b) for b in args.batches.split(",")) if args.engine else ():
+            rates: dict[int, float] = {}
+            for _ in range(args.rounds):
+                for k in [0, *ks]:
+                    rates[k] = max(rates.get(k, 0.0), engine_rate(model.lm, batch, args.new, k))
+            for k in ks:
+                r = rates[0] / rates[k]  # a step's cost against a plain one (one token a row a step here)
+                gains = ", ".join(f"{(1 - a ** (k + 1)) / (1 - a) / r:.2f}x at {a}" for a in ACCEPTANCE)
+                print(f"engine, batch {batch}, K={k}: {rates[k]:.1f} against {rates[0]:.1f} decode tok/s without "
+                      f"drafts ({r:.2f}x a step); expected speedup {gains}", flush=True)
+        for batch in (int(b) for b in args.batches.split(",")) if not args.engine else ():
             best: dict[int, float] = {}
             made: dict[int, float] = {}
             parts: dict[int, dict] = {}
