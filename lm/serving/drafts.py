@@ -1,24 +1,25 @@
 """Speculative decoding in the serving engine: each row's MTP state, and one draft-and-verify step
 of the running rows (the maths of each part is speculative.py's; this file places it on the slots).
 
-A row that drafts (the model has its MTP layer, and the request asks for neither logprobs nor a
-constraint) owns a `RowDrafts`: the MTP layer's KV cache of that row (batch 1; one position per
-main-model position whose next token the layer has seen) and the main model's final-normed hidden
-states of the tokens committed since (`pending`). Its prompt is fed to the MTP layer chunk by
-chunk as it is prefilled, so a long prompt costs no MTP prefill inside a decode step; prefix
-snapshots carry a copy (`Cache.drafts`), so a resumed prompt drafts as well as a cold one.
+With the model's MTP layer loaded, every row owns a `RowDrafts`: the MTP layer's KV cache of that
+row (batch 1; one position per main-model position whose next token the layer has seen) and the
+main model's final-normed hidden states of the tokens committed since (`pending`). Its prompt is
+fed to the MTP layer chunk by chunk as it is prefilled, so a long prompt costs no MTP prefill
+inside a decode step; prefix snapshots carry a copy (`Cache.drafts`), so a resumed prompt drafts
+as well as a cold one.
 
 One engine step of speculation (`verify_step`):
-1. each drafting row's MTP layer sees its pending states and the tokens after them (the last being
-   the row's pick), then drafts k tokens (fewer near max_new_tokens), recursively; the LM head runs
-   once per draft depth for all rows together;
+1. each row's MTP layer sees its pending states and the tokens after them (the last being the row's
+   pick), then drafts k tokens (fewer near max_new_tokens), recursively; the LM head runs once per
+   draft depth for all rows together. A row with a rule (a grammar, a thinking budget) that can
+   roll back drafts under it: the rule is shown the drafts for their masks, then rolled back;
 2. one verify of every running row's [pick, *drafts] through the decode plan on the slots
    (lm/decode.py verify_logits: each row at its own length; more than 8 tokens in calls of at most
    8), or, without the plan, row by row through the layers on a batch-1 view of the row's slot;
-3. each drafting row accepts as speculative._accept does (greedy: the longest prefix of drafts
-   equal to its picks; sampled: speculative sampling), and its slot keeps the accepted tokens'
-   states (Cache.commit; a ragged row just counts them). Rows that do not draft verify their one
-   token: their logits go back to the scheduler, which samples them as in a plain step.
+3. each row accepts as speculative.accept does (greedy: the longest prefix of drafts equal to its
+   picks; sampled: speculative sampling), each position masked by the row's rule as a plain step's
+   pick is, with its logprobs when asked; its slot keeps the accepted tokens' states (Cache.commit;
+   a ragged row just counts them).
 """
 
 from __future__ import annotations
