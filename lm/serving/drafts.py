@@ -6,7 +6,9 @@ row (batch 1; one position per main-model position whose next token the layer ha
 main model's final-normed hidden states of the tokens committed since (`pending`). Its prompt is
 fed to the MTP layer chunk by chunk as it is prefilled, so a long prompt costs no MTP prefill
 inside a decode step; prefix snapshots carry a copy (`Cache.drafts`), so a resumed prompt drafts
-as well as a cold one.
+as well as a cold one. The MTP cache holds the row's whole length (prompt + max_new_tokens): one
+full-attention layer's keys and values beside the slot's (4 KiB a token for the 35B-A3B in float32),
+counted in the prefix cache's budget when a snapshot carries it.
 
 One engine step of speculation (`verify_step`):
 1. each row's MTP layer sees its pending states and the tokens after them (the last being the row's
