@@ -63,9 +63,10 @@ class LinearSlot:
         # the conv's inputs (the window before the forward, then each token's), for Cache.commit
         self.steps: list[torch.Tensor] | None = None
         self.conv_inputs: torch.Tensor | None = None
-        # ... or, of a verify through the decode plan (lm/decode.py verify_logits), which leaves conv
-        # and recurrent as they were: each token's window and state after it, [N, ...] each for the
-        # N tokens of all rows in order (Cache.verify_rows says where each row's are)
+        # ... or, of a verify through the decode plan (lm/decode.py verify_logits), which steps conv
+        # and recurrent in place to the state after each row's last token: the window and state after
+        # each other token, [N, ...] each for the N tokens of all rows in order (Cache.verify_rows
+        # says where each row's are; a row's last entry is not written)
         self.after: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -183,8 +184,7 @@ class Cache:
         rows dropped stay as masked holes in those rows, as left padding is. A ragged cache (the
         serving engine's) just counts each row's kept positions: its dropped ones lie beyond the
         row's length, unread, and are overwritten by its next tokens. Costs one copy of a row's
-        DeltaNet states when it drops tokens, nothing when it keeps all (after a verify through the
-        decode plan: one copy per row, the plan having left the cache's states as they were)."""
+        DeltaNet states when it drops tokens, nothing when it keeps all."""
         counts = self.verify_rows or [self.length - self.verify_start] * self.batch
         kept = [kept] * self.batch if isinstance(kept, int) else list(kept)
         if len(kept) != self.batch or not all(1 <= n <= total for n, total in zip(kept, counts)):
@@ -194,10 +194,10 @@ class Cache:
             if isinstance(slot, LinearSlot):
                 window = slot.conv.shape[1]
                 for row, n in enumerate(kept):
-                    if slot.after is not None:  # the plan's verify: the state after the last kept token
-                        slot.conv[row].copy_(slot.after[0][ends[row]])
+                    if slot.after is not None and n < counts[row]:  # the plan's verify: the state after
+                        slot.conv[row].copy_(slot.after[0][ends[row]])  # the last kept token
                         slot.recurrent[row].copy_(slot.after[1][ends[row]])
-                    elif n < counts[row]:
+                    elif slot.after is None and n < counts[row]:
                         slot.recurrent[row].copy_(slot.steps[n - 1][row])
                         slot.conv[row].copy_(slot.conv_inputs[row, n : n + window])
                 slot.steps, slot.conv_inputs, slot.after = None, None, None

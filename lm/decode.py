@@ -85,9 +85,9 @@ def verify_logits(lm, cache: Cache, tokens: list[list[int]], positions: list[int
     ragged cache (the serving engine's; rows may differ). One call for up to kernels.MAX_ROWS
     tokens; more go in calls of consecutive rows of at most that many tokens each (each call reads
     the weights once). Returns the final-normed hidden states [N, hidden] and the logits [N, vocab]
-    of the N tokens in order; each DeltaNet layer's window and state after each token wait in its
-    slot for `Cache.commit`. None when the plan does not apply (the caller runs the model:
-    lm/serving/speculative.py)."""
+    of the N tokens in order. Each DeltaNet layer's window and state are stepped in place to those
+    after each row's last token; those after its other tokens wait in the slot for `Cache.commit`.
+    None when the plan does not apply (the caller runs the model: lm/serving/speculative.py)."""
     counts = [len(row) for row in tokens]
     n, ragged, most = sum(counts), cache.lengths is not None, kernels.MAX_ROWS
     if max(counts) > most or (not ragged and len(set(counts)) > 1):

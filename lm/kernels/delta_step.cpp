@@ -239,41 +239,44 @@ void gdn_decode_into(const GdnShape& shape, const float* xp, const float* zp, co
 }
 
 // The token step of chained rows (a speculative verify: rows r whose prev[r] >= 0 continue the
-// sequence of row prev[r] < r). Row r starts from the window and state of cache row slot[r] when
-// prev[r] < 0, else from those row prev[r] ended with, and ends with its own in win_steps[r] /
-// S_steps[r] ([rows, Km1, C] / [rows, Hv, Dk, Dv]); the cache's own win and S are only read. The
-// rows go depth by depth (a row after the one it continues), each depth one parallel region of
-// (row, key head) tasks; a task copies just its channels' window columns and its value heads'
-// states before it steps, the same floats gdn_decode_into would step in place.
+// sequence of row prev[r] < r). Each chain steps the window and state of its cache row slot[r] in
+// place, token after token, as gdn_decode_into would, and copies them after each of its tokens but
+// the last into win_steps[r] / S_steps[r] ([rows, Km1, C] / [rows, Hv, Dk, Dv]): the states a
+// rollback to that token needs (Cache.commit). One parallel region of (chain, key head) tasks; a
+// task walks its chain, its value heads' state staying in cache between the tokens.
 void gdn_verify_into(const GdnShape& shape, const float* xp, const float* zp, const float* bp, const float* ap,
-                     const float* win, const float* wp, const float* A, const float* dtb, const float* S,
-                     const float* nw, float eps, const int64_t* slot, const int64_t* prev, float* win_steps,
-                     float* S_steps, float* op) {
+                     float* win, const float* wp, const float* A, const float* dtb, float* S, const float* nw,
+                     float eps, const int64_t* slot, const int64_t* prev, float* win_steps, float* S_steps,
+                     float* op) {
   const int64_t B = shape.B, C = shape.C, Km1 = shape.Km1, Hk = shape.Hk, Hv = shape.Hv, Dk = shape.Dk,
                 Dv = shape.Dv;
   const int64_t Kd = Hk * Dk, rep = Hv / Hk, state = Hv * Dk * Dv, window = Km1 * C;
-  std::vector<int64_t> depth(B);
-  int64_t deepest = 0;
+  std::vector<std::vector<int64_t>> chains;  // each sequence's rows, in order
+  std::vector<int64_t> chain_of(B);
   for (int64_t r = 0; r < B; ++r) {
     TORCH_CHECK(prev[r] < r, "verify: a row continues an earlier row (prev[r] < r)");
-    depth[r] = prev[r] < 0 ? 0 : depth[prev[r]] + 1;
-    deepest = std::max(deepest, depth[r]);
+    if (prev[r] < 0) {
+      chain_of[r] = int64_t(chains.size());
+      chains.push_back({r});
+    } else {
+      chain_of[r] = chain_of[prev[r]];
+      TORCH_CHECK(chains[chain_of[r]].back() == prev[r], "verify: row ", r, " continues row ", prev[r],
+                  ", which another row continues already");
+      chains[chain_of[r]].push_back(r);
+    }
   }
-  for (int64_t d = 0; d <= deepest; ++d) {
-    std::vector<int64_t> rows;
-    for (int64_t r = 0; r < B; ++r)
-      if (depth[r] == d) rows.push_back(r);
-    parallel_tasks(int64_t(rows.size()) * Hk, [&](int64_t t) {
-      const int64_t r = rows[t / Hk], j = t % Hk;
-      const float *from_win = prev[r] < 0 ? win + slot[r] * window : win_steps + prev[r] * window;
-      const float* from_S = prev[r] < 0 ? S + slot[r] * state : S_steps + prev[r] * state;
-      float *to_win = win_steps + r * window, *to_S = S_steps + r * state;
-      const int64_t spans[3][2] = {{j * Dk, Dk}, {Kd + j * Dk, Dk}, {2 * Kd + j * rep * Dv, rep * Dv}};
-      for (int64_t i = 0; i < Km1; ++i)
-        for (const auto& span : spans)
-          std::copy_n(from_win + i * C + span[0], span[1], to_win + i * C + span[0]);
-      std::copy_n(from_S + j * rep * Dk * Dv, rep * Dk * Dv, to_S + j * rep * Dk * Dv);
-      gdn_task(shape, r, j, xp, zp, bp, ap, to_win, wp, A, dtb, to_S, nw, eps, op);
-    });
-  }
+  parallel_tasks(int64_t(chains.size()) * Hk, [&](int64_t t) {
+    const std::vector<int64_t>& rows = chains[t / Hk];
+    const int64_t j = t % Hk;
+    float *w = win + slot[rows[0]] * window, *s = S + slot[rows[0]] * state;
+    const int64_t spans[3][2] = {{j * Dk, Dk}, {Kd + j * Dk, Dk}, {2 * Kd + j * rep * Dv, rep * Dv}};
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const int64_t r = rows[i];
+      gdn_task(shape, r, j, xp, zp, bp, ap, w, wp, A, dtb, s, nw, eps, op);
+      if (i + 1 == rows.size()) break;  // the last token's window and state are the cache's own
+      for (int64_t k = 0; k < Km1; ++k)
+        for (const auto& span : spans) std::copy_n(w + k * C + span[0], span[1], win_steps + r * window + k * C + span[0]);
+      std::copy_n(s + j * rep * Dk * Dv, rep * Dk * Dv, S_steps + r * state + j * rep * Dk * Dv);
+    }
+  });
 }

@@ -49,8 +49,8 @@ void gdn_decode_into(const GdnShape& shape, const float* qkv, const float* z, co
                      const float* norm_w, float eps, float* out);
 // ... of the chained rows of a speculative verify (delta_step.cpp says how)
 void gdn_verify_into(const GdnShape& shape, const float* qkv, const float* z, const float* b_in, const float* a_in,
-                     const float* window, const float* conv_w, const float* A_log, const float* dt_bias,
-                     const float* state, const float* norm_w, float eps, const int64_t* slot, const int64_t* prev,
+                     float* window, const float* conv_w, const float* A_log, const float* dt_bias, float* state,
+                     const float* norm_w, float eps, const int64_t* slot, const int64_t* prev,
                      float* window_steps, float* state_steps, float* out);
 // decode_attention and the attention layer's token on raw float32 rows (the shape checks done by
 // the caller; attention_token_into checks the positions against the cache and the mask): the decode

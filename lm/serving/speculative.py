@@ -24,12 +24,11 @@ A step, with `next` the last picked token (not yet in the caches) and K drafts:
    is drawn from in another order.
 4. rollback (`Cache.commit`): the verify kept each DeltaNet layer's window and state after every one
    of its tokens, and the state after the last accepted token becomes the cache's; the KV
-   positions after it are zeroed. Through the decode plan each token's state is written once by
-   the kernel (the plan reads the cache's and leaves it), and commit copies one per row: float32
-   [Hv, Dk, Dv], 2 MiB a layer, 60 MiB for the 30 DeltaNet layers of the 35B-A3B. Through the
-   layers (lm/delta_rule.stepwise_gated_delta_rule) the verify's DeltaNet runs token by token,
-   copying each state but the last, and commit copies one more on a rejection. No weight is read
-   twice either way.
+   positions after it are zeroed. Either way (the decode plan's kernel, or through the layers
+   lm/delta_rule.stepwise_gated_delta_rule) the verify steps the cache's state in place token by
+   token, copying each state but the last, and commit copies one back on a rejection: float32
+   [Hv, Dk, Dv], 2 MiB a layer, 60 MiB for the 30 DeltaNet layers of the 35B-A3B; nothing when
+   every draft is kept. No weight is read twice either way.
 
 Each row of a batch accepts its own drafts; the KV positions that one row rejected while another
 accepted stay in it as masked holes, as left padding does. Rows with logprobs or a constraint do not
