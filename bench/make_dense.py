@@ -21,7 +21,7 @@ import transformers
 from app.default_model import default_model_path
 from bench.formats import real_like
 
-REFERENCE = Path(__file__).resolve().parents[1] / ".." / "shared" / "reference" / "qwen3.5-0.8b.config.json"
+REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "data" / "reference" / "qwen3.5-0.8b.config.json"
 DROP = ("dtype", "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "mamba_ssm_dtype", "use_cache")
 
 

@@ -1,12 +1,13 @@
 """Speculative decoding with the MTP layer (lm/serving/speculative.py): what one step costs.
 
     python -m bench.mtp [--config 35b|0.8b|27b] [--layers N] [--weights int4] [--batches 1,4,8]
-                        [--k 1,2,3] [--new 24] [--rounds 2] [--engine]
+                        [--k 1,2,3] [--new 24] [--rounds 2] [--engine] [--checkpoint DIR]
 
 The model is built from a real config (tests/data/reference; 27b: the 0.8B config with
 Qwen3.5-27B's sizes: 64 layers, hidden 5120, 24 / 4 attention heads, 48 DeltaNet value heads, MLP
 17408, untied head; `--layers N` keeps its first N layers) with its MTP layer and random weights, straight
-in the storage format (bench.big's build, no checkpoint written). Random weights draft tokens the main model never picks (acceptance ~0:
+in the storage format (bench.big's build, no checkpoint written), or read from `--checkpoint DIR`
+(one with its `mtp.*` layer; with real weights the tokens a step show the real acceptance). Random weights draft tokens the main model never picks (acceptance ~0:
 real acceptance cannot be shown here), so a speculative step yields one token per row and costs
 what drafting K tokens, verifying K + 1 and rolling back cost. Its time against a plain decode step
 of the same batch (in turns, best of `--rounds`) is the ratio r; the expected speedup at a per-draft
@@ -31,7 +32,7 @@ from lm import SamplingParams, decode, kernels, stream_generate
 from lm.formats import policy
 from lm.serving import Engine, SpeculativeStats, speculative
 from mm.config import ModelConfig
-from mm.loading import allocate, set_compute
+from mm.loading import allocate, load_model, set_compute
 from mm.model import VLModel
 
 CONFIGS = {"35b": CONFIG, "0.8b": CONFIG.with_name("qwen3.5-0.8b.config.json"), "27b": None}
@@ -154,13 +155,18 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--engine", action="store_true", help="measure the serving engine's decode rate instead")
+    parser.add_argument("--checkpoint", default=None, help="a checkpoint directory with its MTP layer instead")
     args = parser.parse_args()
     ks = [int(k) for k in args.k.split(",")]
     started = time.perf_counter()
-    model = build(args.config, args.layers, args.weights, max(ks))
-    layers = model.config.text.num_hidden_layers
-    print(f"{args.config} config, {layers} layers + MTP, {args.weights} weights, random: built in "
-          f"{time.perf_counter() - started:.0f} s; threads {torch.get_num_threads()}", flush=True)
+    if args.checkpoint:
+        model = load_model(args.checkpoint, weights=args.weights, speculative="mtp", num_speculative_tokens=max(ks))
+        what = f"{args.checkpoint}, {model.config.text.num_hidden_layers} layers + MTP, {args.weights} weights: loaded"
+    else:
+        model = build(args.config, args.layers, args.weights, max(ks))
+        layers = model.config.text.num_hidden_layers
+        what = f"{args.config} config, {layers} layers + MTP, {args.weights} weights, random: built"
+    print(f"{what} in {time.perf_counter() - started:.0f} s; threads {torch.get_num_threads()}", flush=True)
     with torch.no_grad():
         for batch in (int(b) for b in args.batches.split(",")) if args.engine else ():
             rates: dict[int, float] = {}
