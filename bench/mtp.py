@@ -16,7 +16,8 @@ E = (1 - a^(K+1)) / (1 - a) tokens per step. The step's parts are timed too: dra
 layer and the LM head, K times), the verify forward of K + 1 tokens a row (against the decode step:
 the verify(K + 1) / step ratio), and the rest (accepting, the rollback's state copies).
 `--engine` measures the serving engine instead (lm/serving/drafts.py: each row drafts on its own
-MTP cache): B requests together, decode tokens a second with and without drafts, in turns.
+MTP cache): B requests together, decode tokens a second with and without drafts, in turns, and
+the drafts' acceptance (with random weights ~0: then the ratio is a step's cost).
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class Parts:
 
 def per_step(lm, batch: int, new: int, k: int) -> tuple[float, float, dict]:
     """Seconds per decode step after the prompt's (row 0's first token) with k drafts (0: plain),
-    the new tokens per step the generation made, and seconds per step in each part."""
+    the share of drafts accepted, and seconds per step in each part."""
     lm.num_speculative_tokens = k
     stats = SpeculativeStats()
     ids = torch.randint(0, 1000, (batch, 8), generator=torch.Generator().manual_seed(batch))
@@ -122,14 +123,15 @@ def per_step(lm, batch: int, new: int, k: int) -> tuple[float, float, dict]:
         stamps = [time.perf_counter() for e in stream_generate(lm, ids, params, stats=stats if k else None)
                   if e.row == 0]  # fmt: skip
     if not k:
-        return (stamps[-1] - stamps[0]) / (len(stamps) - 1), 1.0, {}
+        return (stamps[-1] - stamps[0]) / (len(stamps) - 1), 0.0, {}
     steps = max(1, parts.steps)
-    return parts.seconds["step"] / steps, stats.tokens_per_step, {n: t / steps for n, t in parts.seconds.items()}
+    return parts.seconds["step"] / steps, stats.acceptance, {n: t / steps for n, t in parts.seconds.items()}
 
 
-def engine_rate(lm, batch: int, new: int, k: int) -> float:
+def engine_rate(lm, batch: int, new: int, k: int) -> tuple[float, float]:
     """Decode tokens a second of `batch` greedy requests together in the serving engine with k drafts
-    a step (0: none): the tokens of all rows between the last first token and the first last one."""
+    a step (0: none): the tokens of all rows between the last first token and the first last one;
+    and the share of drafts accepted."""
     lm.num_speculative_tokens = k
     engine = Engine(lm, max_batch=batch, prefix_cache_bytes=0)
     try:
@@ -137,12 +139,13 @@ def engine_rate(lm, batch: int, new: int, k: int) -> float:
         requests = [engine.submit(ids, SamplingParams(max_new_tokens=new)) for ids in prompts]
         for r in requests:
             r.result()
+        accepted = engine.counters["accepted"] / max(1, engine.counters["drafted"])
     finally:
         engine.close()
     start = max(r.token_times[0] for r in requests)
     end = min(r.token_times[-1] for r in requests)
     made = sum(sum(start < t <= end for t in r.token_times) for r in requests)
-    return made / (end - start)
+    return made / (end - start), accepted
 
 
 def main() -> None:
@@ -170,14 +173,17 @@ def main() -> None:
     with torch.no_grad():
         for batch in (int(b) for b in args.batches.split(",")) if args.engine else ():
             rates: dict[int, float] = {}
+            accepted: dict[int, float] = {}
             for _ in range(args.rounds):
                 for k in [0, *ks]:
-                    rates[k] = max(rates.get(k, 0.0), engine_rate(model.lm, batch, args.new, k))
+                    rate, accepted[k] = engine_rate(model.lm, batch, args.new, k)
+                    rates[k] = max(rates.get(k, 0.0), rate)
             for k in ks:
-                r = rates[0] / rates[k]  # a step's cost against a plain one (one token a row a step here)
+                r = rates[0] / rates[k]  # with acceptance ~0 (random weights): a step's cost against a plain one
                 gains = ", ".join(f"{(1 - a ** (k + 1)) / (1 - a) / r:.2f}x at {a}" for a in ACCEPTANCE)
                 print(f"engine, batch {batch}, K={k}: {rates[k]:.1f} against {rates[0]:.1f} decode tok/s without "
-                      f"drafts ({r:.2f}x a step); expected speedup {gains}", flush=True)
+                      f"drafts ({accepted[k]:.0%} of the drafts accepted; rates' ratio {r:.2f}x, a step's cost when "
+                      f"none is accepted: expected speedup {gains})", flush=True)  # fmt: skip
         for batch in (int(b) for b in args.batches.split(",")) if not args.engine else ():
             best: dict[int, float] = {}
             made: dict[int, float] = {}
@@ -192,7 +198,7 @@ def main() -> None:
                 gains = ", ".join(f"{(1 - a ** (k + 1)) / (1 - a) / r:.2f}x at {a}" for a in ACCEPTANCE)
                 draft, verify = parts[k]["draft"], parts[k]["verify"]
                 print(f"batch {batch}, K={k}: step {best[k] * 1e3:.1f} ms against decode {best[0] * 1e3:.1f} ms "
-                      f"({r:.2f}x; {made[k]:.2f} tokens a step here); expected speedup {gains}\n"
+                      f"({r:.2f}x; {made[k]:.0%} of the drafts accepted here); expected speedup {gains}\n"
                       f"    draft {draft * 1e3:.1f} ms, verify({k + 1}) {verify * 1e3:.1f} ms = "
                       f"{verify / best[0]:.2f}x the decode step, the rest {(best[k] - draft - verify) * 1e3:.1f} ms",
                       flush=True)  # fmt: skip
