@@ -234,3 +234,37 @@ def test_drafts_that_do_not_pay_are_said_once(monkeypatch, mtp_path, capsys):
     assert err.count("speculative decoding runs at 0.50x the speed of decoding without drafts") == 1
     assert engine.stats()["speculative_speedup"] == 0.5
     engine.close()
+
+
+def test_cancel_and_a_failing_rule_end_one_drafting_row_alone(mtp_path):
+    """With drafts: a cancelled request frees its slot for a waiting one; a rule that fails (as a
+    grammar admitting no token does) ends its request with the error, shown drafts or not; the
+    other rows' outputs are their outputs alone."""
+    from lm.sampling import TokenRule
+
+    plain, lm = _models(mtp_path("moe_text"), 2)
+
+    class Failing:  # a rule that can roll back and fails on the 4th token
+        def __call__(self, tokens):
+            if len(tokens) >= 3:
+                raise ValueError("the grammar admits no next token")
+            return TokenRule(ban=(7,))
+
+        def rollback_to(self, length):
+            pass
+
+    engine = Engine(lm, max_batch=2, prefix_cache_bytes=0)
+    long = engine.submit(_prompt(1, 12), SamplingParams(max_new_tokens=400))
+    bad = engine.submit(_prompt(2, 8), SamplingParams(max_new_tokens=30), rule=Failing())
+    waiting = engine.submit(_prompt(3, 10), SamplingParams(max_new_tokens=10))
+    with pytest.raises(ValueError, match="admits no next token"):
+        bad.result()
+    first = []
+    for token in long:
+        first.append(token)
+        if len(first) == 5:
+            long.cancel()
+    assert long.finish_reason == "cancelled" and 5 <= len(long.tokens) < 400
+    assert waiting.result() == _alone(plain, _prompt(3, 10), 10)
+    assert engine.stats()["cancelled"] == 1 and engine.stats()["failed"] == 1
+    engine.close()
