@@ -194,10 +194,12 @@ class Cache:
             if isinstance(slot, LinearSlot):
                 window = slot.conv.shape[1]
                 for row, n in enumerate(kept):
-                    if slot.after is not None and n < counts[row]:  # the plan's verify: the state after
-                        slot.conv[row].copy_(slot.after[0][ends[row]])  # the last kept token
+                    if n == counts[row]:  # all kept: the state is the forward's own
+                        continue
+                    if slot.after is not None:  # the plan's verify: the state after the last kept token
+                        slot.conv[row].copy_(slot.after[0][ends[row]])
                         slot.recurrent[row].copy_(slot.after[1][ends[row]])
-                    elif slot.after is None and n < counts[row]:
+                    else:
                         slot.recurrent[row].copy_(slot.steps[n - 1][row])
                         slot.conv[row].copy_(slot.conv_inputs[row, n : n + window])
                 slot.steps, slot.conv_inputs, slot.after = None, None, None

@@ -33,7 +33,7 @@ from ..cache import Cache, KVSlot, LinearSlot
 from ..model import CausalLM
 from ..sampling import argmax
 from .slots import resumed, trimmed
-from .speculative import accept
+from .speculative import SpeculativeStats, accept
 
 
 class RowDrafts:
@@ -66,16 +66,15 @@ class RowDrafts:
         """A copy that can grow to `max_len` positions (a request resuming from a snapshot)."""
         return RowDrafts(resumed(self.cache, max_len), self.hidden, self.positions)
 
-    def see(self, lm: CausalLM, hidden: torch.Tensor, positions: torch.Tensor, next_embeds: torch.Tensor | None = None
-            ) -> torch.Tensor | None:  # fmt: skip
-        """Append the states hidden [n, H] at positions [3, n] of n newly committed tokens to the
-        pending ones, then run the MTP layer over the first m pending ones with next_embeds [m, H],
-        the embeddings of the tokens after them. Returns the layer's output [m, H] (None for m = 0)."""
+    def append(self, hidden: torch.Tensor, positions: torch.Tensor) -> None:
+        """The states hidden [n, H] at positions [3, n] of n newly committed tokens join the pending."""
         self.hidden = torch.cat([self.hidden, hidden])
         self.positions = torch.cat([self.positions, positions], dim=1)
-        m = 0 if next_embeds is None else next_embeds.shape[0]
-        if m == 0:
-            return None
+
+    def consume(self, lm: CausalLM, next_embeds: torch.Tensor) -> torch.Tensor:
+        """Run the MTP layer over the first m pending states with next_embeds [m, H], the embeddings
+        of the tokens after them, which leave the pending; the layer's output [m, H]."""
+        m = next_embeds.shape[0]
         pos = self.positions[:, None, :m]
         g = lm.mtp(next_embeds[None], self.hidden[None, :m], lm.model.rotary_emb(pos, next_embeds.dtype), self.cache)
         self.hidden, self.positions = self.hidden[m:], self.positions[:, m:]
@@ -85,15 +84,15 @@ class RowDrafts:
         """A prefilled chunk of the prompt: hidden [n, H] at positions [3, n], embeds [n, H] its
         tokens' input embeddings (the fused ones of an image prompt). The layer sees every pending
         state but the chunk's last, whose next token is not known yet."""
-        m = self.pending + hidden.shape[0] - 1
-        self.see(lm, hidden, positions, embeds[embeds.shape[0] - m :] if m else None)
+        self.append(hidden, positions)
+        if (m := self.pending - 1) > 0:
+            self.consume(lm, embeds[embeds.shape[0] - m :])
 
     def settle(self, lm: CausalLM, tokens: list[int]) -> None:
         """Before a snapshot of a finished generation whose last `pending` tokens are `tokens` (the
         last of them not in the cache): the layer sees every pending state but the last."""
         if self.pending > 1:
-            ids = torch.tensor(tokens[-self.pending : -1], device=self.hidden.device)
-            self.see(lm, self.hidden[:0], self.positions[:, :0], lm.embed(ids[None])[0])
+            self.consume(lm, lm.embed(torch.tensor([tokens[-self.pending : -1]], device=self.hidden.device))[0])
 
 
 class Payoff:
@@ -145,8 +144,7 @@ def draft_all(lm: CausalLM, drafts: list[RowDrafts], tokens: list[list[int]], po
     g = {}
     for i in rows:  # the pending states, each with the token after it (the last: the pick)
         d = drafts[i]
-        ids = torch.tensor(tokens[i][-d.pending :], device=device)
-        g[i] = d.see(lm, d.hidden[:0], d.positions[:, :0], lm.embed(ids[None])[0])[-1:]
+        g[i] = d.consume(lm, lm.embed(torch.tensor([tokens[i][-d.pending :]], device=device))[0])[-1:]
     for j in range(max(ks)):
         live = [i for i in rows if ks[i] > j]
         if j > 0:  # the layer again on its own output and the token it drafted (vLLM's recursion)
@@ -163,13 +161,14 @@ def draft_all(lm: CausalLM, drafts: list[RowDrafts], tokens: list[list[int]], po
     return out
 
 
-def verify_step(lm: CausalLM, view: Cache, rows: list, ks: list[int]) -> list[tuple]:
+def verify_step(lm: CausalLM, view: Cache, rows: list, ks: list[int], totals: SpeculativeStats) -> list[tuple]:
     """One speculative step of the n running rows of the slots (`view`: their ragged cache); `rows`
     are the scheduler's (each with its `drafts`, `sampler`, `next_pos` and `request`: its tokens so
     far, the last one its pick at next_pos, not yet in the cache; its rule and params), ks[i] the
-    drafts row i may make. Per row: (its new tokens: 1 to ks[i] + 1, the accepted drafts and its own
-    pick; the logits [V] the last one was picked from; with logprobs, each one's (log-probability,
-    top ones), else None), or (None, the error) for a row whose rule failed (it alone ends)."""
+    drafts row i may make; each drafting row's counts go to its request's `speculative` and to
+    `totals`. Per row: (its new tokens: 1 to ks[i] + 1, the accepted drafts and its own pick; the
+    logits [V] the last one was picked from; with logprobs, each one's (log-probability, top ones),
+    else None), or (None, the error, None) for a row whose rule failed (it alone ends)."""
     outputs = [r.request.tokens for r in rows]
     rules = [r.request.rule for r in rows]
     masks = [rule is not None and hasattr(rule, "rollback_to") and getattr(rule, "rewinds", True) for rule in rules]
@@ -217,16 +216,17 @@ def verify_step(lm: CausalLM, view: Cache, rows: list, ks: list[int]) -> list[tu
         try:
             new = accept(row.sampler, logits[at : at + len(t)], 0, outputs[i], made[i], qs[i], rules[i], lps)
         except Exception as error:  # noqa: BLE001 - e.g. a grammar that admits no token: this row alone
-            results.append((None, error))
+            results.append((None, error, None))
             at += len(t)
             continue
         results.append((new, logits[at + len(new) - 1], lps))
         if ks[i]:
-            row.request.speculative.steps += 1
-            row.request.speculative.drafted += ks[i]
-            row.request.speculative.accepted += len(new) - 1
+            for stats in (row.request.speculative, totals):
+                stats.steps += 1
+                stats.drafted += ks[i]
+                stats.accepted += len(new) - 1
         pos = torch.arange(positions[i], positions[i] + len(new), device=hidden.device)[None].expand(3, -1)
-        row.drafts.see(lm, hidden[at : at + len(new)], pos)
+        row.drafts.append(hidden[at : at + len(new)], pos)
         at += len(t)
     kept = [1 if r[0] is None else len(r[0]) for r in results]
     if caches is None:

@@ -25,6 +25,7 @@ from .config import EngineConfig, available_bytes, ram_bytes
 from .drafts import Payoff, RowDrafts, verify_step
 from .prefix_cache import PrefixCache
 from .request import Prompt, Request
+from .speculative import SpeculativeStats
 from .slots import SlotStore, resumed, row_state, trimmed
 
 
@@ -70,6 +71,7 @@ class Scheduler:
         self._prefilling: _Row | None = None
         self._running: list[_Row] = []  # row i lives in slot i
         self.payoff = Payoff()  # whether the MTP layer's drafts pay, measured (drafts.py)
+        self.drafting = SpeculativeStats()  # every request's drafts (counters: verify_steps, drafted, accepted)
 
     def stats(self) -> dict:
         return dict(self.counters, running=len(self._running), waiting=len(self._waiting),
@@ -234,13 +236,12 @@ class Scheduler:
             live.append(i)
         try:
             cache = self.lm.make_cache(b, width)
-            drafting = [i for i in live if self._drafts(group[i].request)]
-            if not drafting:
+            if not self.lm.num_speculative_tokens:
                 logits = runner.prefill(self.lm, cache, inputs_embeds=embeds, attention_mask=mask)
-            else:  # the drafting rows' MTP layers see their prompts too
+            else:  # the rows' MTP layers see their prompts too
                 hidden = self.lm.hidden_states(inputs_embeds=embeds, attention_mask=mask, cache=cache)
                 logits = self.lm.lm_head(hidden[:, -1])
-                for i in drafting:
+                for i in live:
                     row, t = group[i], len(group[i].key)
                     with self._guard(row.request, row):
                         row.drafts = self._row_drafts(row, None)
@@ -341,7 +342,6 @@ class Scheduler:
             say_once("speculative-slower", f"speculative decoding runs at {speedup:.2f}x the speed of decoding "
                      f"without drafts here: {rate:.0%} of the MTP layer's drafts are accepted, too few to pay "
                      "for drafting and verifying (docs/benchmarks.md has where it pays); consider turning it off")
-        return None
 
     def _fail_running(self, error: BaseException) -> None:
         """A decode step failed: every running row's state is unknown, so each fails."""
@@ -371,14 +371,11 @@ class Scheduler:
                 row.drafts.settle(self.lm, tokens)
         self.prefix.insert(row.key + tuple(tokens[:-1]), _with_drafts(self.store.save(i), row.drafts), row.logits)
 
-    def _drafts(self, request: Request) -> bool:
-        """Whether `request` decodes speculatively: whenever the model has its MTP layer."""
-        return bool(self.lm.num_speculative_tokens)
-
     def _row_drafts(self, row: _Row, stored: RowDrafts | None) -> RowDrafts | None:
-        """A drafting row's MTP state: a copy of a snapshot's, else a fresh one (a snapshot made
-        without one: the layer then sees the prompt from where the prefill resumes)."""
-        if not self._drafts(row.request):
+        """The row's MTP state when the model has its MTP layer (every row drafts then): a copy of a
+        snapshot's, else a fresh one (a snapshot made without one: the layer then sees the prompt
+        from where the prefill resumes)."""
+        if not self.lm.num_speculative_tokens:
             return None
         size = len(row.key) + row.request.params.max_new_tokens + self.lm.num_speculative_tokens + 1
         return stored.resumed(size) if stored is not None else RowDrafts.new(self.lm, size)
@@ -392,25 +389,19 @@ class Scheduler:
         ks = [min(k, r.request.params.max_new_tokens - len(r.request.tokens) - 1) for r in running]
         self.store.ensure(max(length + d + 1 for length, d in zip(lengths, ks)))
         view = self.store.view(n, max(lengths))
-        before = [(r.request.speculative.steps, r.request.speculative.drafted, r.request.speculative.accepted)
-                  for r in running]  # fmt: skip
         start = time.perf_counter()
         try:
-            results = verify_step(self.lm, view, running, ks)
+            results = verify_step(self.lm, view, running, ks, self.drafting)
         except Exception as error:  # noqa: BLE001 - the rows' states are unknown now: they fail, the rest go on
             return self._fail_running(error)
-        for row, (steps, drafted, accepted) in zip(running, before):
-            s = row.request.speculative
-            self.counters["verify_steps"] += s.steps - steps
-            self.counters["drafted"] += s.drafted - drafted
-            self.counters["accepted"] += s.accepted - accepted
-        made = [len(r[0]) for r in results if r[0] is not None]
+        totals = self.drafting
+        self.counters.update(verify_steps=totals.steps, drafted=totals.drafted, accepted=totals.accepted)
+        made = [len(new) for new, _, _ in results if new is not None]
         self.payoff.record(time.perf_counter() - start, sum(made) / len(made) if k and made else None)
         self._say_payoff()
         ended = []
-        for i, (row, result) in enumerate(zip(running, results)):
-            new, logits = result[:2]
-            if new is None:  # its rule failed
+        for i, (row, (new, logits, logprobs)) in enumerate(zip(running, results)):
+            if new is None:  # its rule failed: `logits` holds the error
                 self._fail(row.request, logits, row)
                 ended.append(i)
                 continue
@@ -418,7 +409,7 @@ class Scheduler:
                 for j, token in enumerate(new):
                     row.next_pos += 1
                     self.counters["decode_tokens"] += 1
-                    logprob = None if result[2] is None else result[2][j]
+                    logprob = None if logprobs is None else logprobs[j]
                     if self._sample(row, logits, finish=False, token=token, logprob=logprob) is not None:
                         row.exact_end = j == len(new) - 1
                         ended.append(i)
