@@ -150,9 +150,9 @@ class DecodePlan {
   // slot[r] (states as `step`'s, one row per sequence; keep [sequences, max(pos) + 1] or empty) at
   // cache position pos[r]; prev[r] is the row whose token comes right before it in its sequence, or
   // -1 for a sequence's first. steps: per DeltaNet layer, in layer order, (window steps [rows, Km1,
-  // C], state steps [rows, Hv, Dk, Dv]): row r's conv window and recurrent state after its token;
-  // the cache's own DeltaNet states are not changed (the caller keeps the accepted row's). KV
-  // positions are written in place. Returns the final-normed hidden states [rows, hidden] and the
+  // C], state steps [rows, Hv, Dk, Dv]): row r's conv window and recurrent state after its token,
+  // written for every row but a sequence's last, whose are the cache row's own, stepped in place
+  // (the caller copies back the accepted row's on a rejection). KV positions are written in place. Returns the final-normed hidden states [rows, hidden] and the
   // logits [rows, vocab].
   std::vector<at::Tensor> verify(std::vector<int64_t> ids, std::vector<int64_t> positions, std::vector<at::Tensor> states,
                     at::Tensor keep, std::vector<int64_t> pos, std::vector<int64_t> slot, std::vector<int64_t> prev,

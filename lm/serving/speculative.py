@@ -31,8 +31,8 @@ A step, with `next` the last picked token (not yet in the caches) and K drafts:
    every draft is kept. No weight is read twice either way.
 
 Each row of a batch accepts its own drafts; the KV positions that one row rejected while another
-accepted stay in it as masked holes, as left padding does. Rows with logprobs or a constraint do not
-draft; stream_generate says once when it cannot apply.
+accepted stay in it as masked holes, as left padding does. Constraints are the serving engine's
+(lm/serving/drafts.py passes each row's rule to `accept`); stream_generate refuses them.
 """
 
 from __future__ import annotations
