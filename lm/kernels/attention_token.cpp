@@ -24,6 +24,31 @@ void norm_rotate(const float* x, const float* w, float eps, const float* cos, co
   }
 }
 
+// Row b's query heads normed and rotated into qn [H, D], its key (normed, rotated) and value into
+// cache row c of k_cache / v_cache [rows, KV, L, D] at position p.
+void row_in(const AttentionShape& shape, int64_t R, int64_t b, int64_t c, int64_t p, const float* qp, const float* kp,
+            const float* vp, const float* qw, const float* kw, float eps, const float* cp, const float* sp, float* qn,
+            float* kc, float* vc) {
+  const int64_t H = shape.H, KV = shape.KV, L = shape.L, D = shape.D;
+  const float *cb = cp + b * R, *sb = sp + b * R;
+  for (int64_t h = 0; h < H; ++h) norm_rotate(qp + (b * H + h) * 2 * D, qw, eps, cb, sb, R, D, qn + h * D);
+  for (int64_t h = 0; h < KV; ++h) {
+    const int64_t row = ((c * KV + h) * L + p) * D;
+    norm_rotate(kp + (b * KV + h) * D, kw, eps, cb, sb, R, D, kc + row);
+    std::copy(vp + (b * KV + h) * D, vp + (b * KV + h + 1) * D, vc + row);
+  }
+}
+
+// out [B, H, D] *= sigmoid(gate), each head's gate the second half of its q projection
+void gate_rows(int64_t B, int64_t H, int64_t D, const float* qp, float* op) {
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const float* gate = qp + (b * H + h) * 2 * D + D;
+      float* o = op + (b * H + h) * D;
+      for (int64_t i = 0; i < D; ++i) o[i] *= sigmoid(gate[i]);
+    }
+}
+
 }  // namespace
 
 // q [B, H*2D] (per head: query then gate), k, v [B, KV*D]; q_norm_w, k_norm_w [D]; cos, sin [B, R];
@@ -40,24 +65,13 @@ void attention_token_into(const AttentionShape& shape, int64_t R, const float* q
   qn_.resize(B * H * D), lengths_.resize(B);
   float* qnp = qn_.data();
   for (int64_t b = 0; b < B; ++b) {
-    const float *cb = cp + b * R, *sb = sp + b * R;
-    for (int64_t h = 0; h < H; ++h) norm_rotate(qp + (b * H + h) * 2 * D, qw, eps, cb, sb, R, D, qnp + (b * H + h) * D);
-    for (int64_t h = 0; h < KV; ++h) {
-      const int64_t row = ((b * KV + h) * L + pp[b]) * D;
-      norm_rotate(kp + (b * KV + h) * D, kw, eps, cb, sb, R, D, kc + row);
-      std::copy(vp + (b * KV + h) * D, vp + (b * KV + h + 1) * D, vc + row);
-    }
+    row_in(shape, R, b, b, pp[b], qp, kp, vp, qw, kw, eps, cp, sp, qnp + b * H * D, kc, vc);
     lengths_[b] = pp[b] + 1;
   }
   // over the cache's first last + 1 positions, each row its own length
   decode_attention_into({B, H, KV, last + 1, D}, qnp, kc, KV * L * D, L * D, vc, KV * L * D, L * D, keep,
                         lengths_.data(), float(scale), op);
-  for (int64_t b = 0; b < B; ++b)  // [B, H, D] gated in place
-    for (int64_t h = 0; h < H; ++h) {
-      const float* gate = qp + (b * H + h) * 2 * D + D;
-      float* o = op + (b * H + h) * D;
-      for (int64_t i = 0; i < D; ++i) o[i] *= sigmoid(gate[i]);
-    }
+  gate_rows(B, H, D, qp, op);
 }
 
 // attention_token_into for the rows of a speculative verify: row b's token goes to cache row
@@ -72,24 +86,13 @@ void attention_verify_into(const AttentionShape& shape, int64_t R, const float* 
   const int64_t B = shape.B, H = shape.H, KV = shape.KV, L = shape.L, D = shape.D;
   const int64_t last = last_position(pp, B, L, keep, keep_keys, {"attention verify"});
   std::vector<float> qn(B * H * D);
-  for (int64_t b = 0; b < B; ++b) {
-    const float *cb = cp + b * R, *sb = sp + b * R;
-    for (int64_t h = 0; h < H; ++h) norm_rotate(qp + (b * H + h) * 2 * D, qw, eps, cb, sb, R, D, qn.data() + (b * H + h) * D);
-    for (int64_t h = 0; h < KV; ++h) {
-      const int64_t row = ((slot[b] * KV + h) * L + pp[b]) * D;
-      norm_rotate(kp + (b * KV + h) * D, kw, eps, cb, sb, R, D, kc + row);
-      std::copy(vp + (b * KV + h) * D, vp + (b * KV + h + 1) * D, vc + row);
-    }
-  }
+  for (int64_t b = 0; b < B; ++b)
+    row_in(shape, R, b, slot[b], pp[b], qp, kp, vp, qw, kw, eps, cp, sp, qn.data() + b * H * D, kc, vc);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t length = pp[b] + 1, at = slot[b] * KV * L * D;
     decode_attention_into({1, H, KV, last + 1, D}, qn.data() + b * H * D, kc + at, KV * L * D, L * D, vc + at,
                           KV * L * D, L * D, keep ? keep + slot[b] * keep_keys : nullptr, &length, float(scale),
                           op + b * H * D);
-    for (int64_t h = 0; h < H; ++h) {
-      const float* gate = qp + (b * H + h) * 2 * D + D;
-      float* o = op + (b * H + h) * D;
-      for (int64_t i = 0; i < D; ++i) o[i] *= sigmoid(gate[i]);
-    }
   }
+  gate_rows(B, H, D, qp, op);
 }
