@@ -102,9 +102,9 @@ def chunked_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunk-parallel form; same arguments and results as `recurrent_gated_delta_rule`."""
     dtype, t = v.dtype, v.shape[1]
+    if (fused := kernels.chunked_delta_rule(q, k, v, g, beta, state, chunk_size)) is not None:
+        return fused[0].to(dtype), fused[1]  # CPU: heads side by side, _prepare's work inside
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
-    if (fused := kernels.chunked_delta_rule(q, k, v, g, beta, state.float(), chunk_size)) is not None:
-        return fused[0].transpose(1, 2).to(dtype), fused[1]  # CPU: heads side by side
     pad = (-t) % chunk_size
     if pad:  # padded steps have k = v = 0 and g = 0: they leave the state untouched
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))

@@ -309,18 +309,14 @@ def expert_mlp(x: torch.Tensor, gate_up: Weight, down: Weight, counts: torch.Ten
 
 
 def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int):
-    """The chunked gated delta rule (lm.delta_rule) with each (row, head) on one thread at a time.
-    q, k [B, H, T, Dk] (prepared: unit-norm, q scaled, key heads repeated); v [B, H, T, Dv];
-    g, beta [B, H, T]; state [B, H, Dk, Dv] -> (out [B, H, T, Dv], new state); None when n/a."""
+    """The chunked gated delta rule (lm.delta_rule) with each (row, value head) on one thread at a time,
+    on the layer's own layout: q, k [B, T, Hk, Dk] as they leave the conv (not yet unit-norm: the
+    kernel does lm.delta_rule._prepare's work per chunk); v [B, T, Hv, Dv]; g, beta [B, T, Hv]; state
+    [B, Hv, Dk, Dv] -> (out [B, T, Hv, Dv] float32, new state); None when n/a."""
     if (kernel := _fusable(q)) is None:
         return None
-    b, h, t, dk = k.shape
-    dv = v.shape[-1]
-    out, new = kernel.chunked_delta_rule(q.reshape(b * h, t, dk).contiguous(), k.reshape(b * h, t, dk).contiguous(),
-                                         v.reshape(b * h, t, dv).contiguous(), g.reshape(b * h, t).contiguous(),
-                                         beta.reshape(b * h, t).contiguous(), state.reshape(b * h, dk, dv).contiguous(),
-                                         chunk_size)
-    return out.view(b, h, t, dv), new.view(b, h, dk, dv)
+    rows = [x.float() if x.stride(-1) == 1 else x.float().contiguous() for x in (q, k, v)]
+    return tuple(kernel.chunked_delta_rule(*rows, g.float(), beta.float(), state.float(), chunk_size))
 
 
 _ALL_KEYS = torch.empty(0, dtype=torch.long)  # decode_attention's lengths: every row attends over all L keys

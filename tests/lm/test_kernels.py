@@ -318,16 +318,17 @@ def test_fused_rms_norm_and_multi_linear_equal_reference(monkeypatch):
 @pytest.mark.parametrize("t, strength", [(5, 1.0), (32, 1.0), (77, 1.0), (77, 12.0)])
 def test_chunked_delta_rule_kernel_equals_reference(monkeypatch, t, strength):
     """strength 12: decays that reach below the smallest normal float within a chunk (the kernel
-    flushes such denormals to zero, lm/kernels/chunked_delta_rule.cpp)."""
-    from lm.delta_rule import _prepare, chunked_gated_delta_rule
+    flushes such denormals to zero, lm/kernels/chunked_delta_rule.cpp). The kernel reads q, k, v
+    where they lie (strided rows) and does lm.delta_rule._prepare's work itself."""
+    from lm.delta_rule import chunked_gated_delta_rule
 
     g = torch.Generator().manual_seed(t)
-    q, k = torch.randn(2, t, 2, 16, generator=g), torch.randn(2, t, 2, 16, generator=g)
-    v = torch.randn(2, t, 4, 24, generator=g)
+    mixed = torch.randn(2, t, 2 * 16 + 2 * 16 + 4 * 24, generator=g)  # q, k, v: strided rows, as the conv leaves them
+    q, k, v = (x.unflatten(-1, (-1, d)) for x, d in zip(mixed.split([32, 32, 96], -1), (16, 16, 24)))
     decay, beta = -strength * F.softplus(torch.randn(2, t, 4, generator=g)), torch.rand(2, t, 4, generator=g)
     state = torch.randn(2, 4, 16, 24, generator=g)
     monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
-    assert kernels.chunked_delta_rule(*_prepare(q, k, v, decay, beta), state, 32) is not None
+    assert kernels.chunked_delta_rule(q, k, v, decay, beta, state, 32) is not None
     ours, reference = _both_paths(monkeypatch, lambda: chunked_gated_delta_rule(q, k, v, decay, beta, state))
     for a, b in zip(ours, reference):
         assert rel_err(a, b) < 1e-5
