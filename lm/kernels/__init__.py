@@ -312,8 +312,9 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int):
     """The chunked gated delta rule (lm.delta_rule) with each (row, value head) on one thread at a time,
     on the layer's own layout: q, k [B, T, Hk, Dk] as they leave the conv (not yet unit-norm: the
     kernel does lm.delta_rule._prepare's work per chunk); v [B, T, Hv, Dv]; g, beta [B, T, Hv]; state
-    [B, Hv, Dk, Dv] -> (out [B, T, Hv, Dv] float32, new state); None when n/a."""
-    if (kernel := _fusable(q)) is None:
+    [B, Hv, Dk, Dv] -> (out [B, T, Hv, Dv] float32, new state); None when n/a. Other dtypes on CPU
+    are converted to float32 first (the rule computes in float32 either way)."""
+    if q.device.type != "cpu" or (kernel := _kernels()) is None:
         return None
     rows = [x.float() if x.stride(-1) == 1 else x.float().contiguous() for x in (q, k, v)]
     return tuple(kernel.chunked_delta_rule(*rows, g.float(), beta.float(), state.float(), chunk_size))

@@ -332,6 +332,11 @@ def test_chunked_delta_rule_kernel_equals_reference(monkeypatch, t, strength):
     ours, reference = _both_paths(monkeypatch, lambda: chunked_gated_delta_rule(q, k, v, decay, beta, state))
     for a, b in zip(ours, reference):
         assert rel_err(a, b) < 1e-5
+    # bf16 activations take the kernel too, in float32 (as the reference's _prepare converts them)
+    q16, k16, v16 = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    ours = kernels.chunked_delta_rule(q16, k16, v16, decay, beta, state, 32)
+    reference = chunked_gated_delta_rule(q16.float(), k16.float(), v16.float(), decay, beta, state)
+    assert rel_err(ours[0], reference[0]) < 1e-5 and rel_err(ours[1], reference[1]) < 1e-5
 
 
 @pytest.mark.parametrize("masked", [False, True])
