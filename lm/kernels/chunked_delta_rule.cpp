@@ -88,23 +88,7 @@ void mm(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t sa
 // C[i, j] = a_i . b_j for j <= i < c (rows of D floats): the lower triangle of A B^T.
 void lower_dots(int64_t c, int64_t D, const float* a, const float* b, float* C, int64_t ldc) {
   for (int64_t i = 0; i < c; ++i)
-    for (int64_t j = 0; j <= i; ++j) {
-      const float *x = a + i * D, *y = b + j * D;
-      vec acc = vec{} + 0.f;
-      int64_t d = 0;
-      for (; d + V <= D; d += V) acc += load(x + d) * load(y + d);
-      float sum = hsum(acc);
-      for (; d < D; ++d) sum += x[d] * y[d];
-      C[i * ldc + j] = sum;
-    }
-}
-
-// dst = src / |src| * scale (lm.delta_rule.l2norm, eps 1e-6), D floats.
-void unit_row(const float* src, int64_t D, float scale, float* dst) {
-  float ss = 0.f;
-  for (int64_t d = 0; d < D; ++d) ss += src[d] * src[d];
-  const float r = scale / std::sqrt(ss + 1e-6f);
-  for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * r;
+    for (int64_t j = 0; j <= i; ++j) C[i * ldc + j] = dot(a + i * D, b + j * D, D);
 }
 
 // y[i] = exp(x[i]) for i < n: vexp (vec.h) a vector at a time (arguments below -87.3 give
@@ -197,8 +181,11 @@ std::vector<at::Tensor> chunked_delta_rule(at::Tensor q, at::Tensor k, at::Tenso
         float gamma = 0.f;
         for (int64_t i = 0; i < c; ++i) {
           const int64_t t = t0 + i;
-          unit_row(qh + t * q.stride(1), Dk, scale, Q + i * Dk);
-          unit_row(kh + t * k.stride(1), Dk, 1.f, K + i * Dk);
+          float *qi = Q + i * Dk, *ki = K + i * Dk;
+          std::copy_n(qh + t * q.stride(1), Dk, qi);
+          std::copy_n(kh + t * k.stride(1), Dk, ki);
+          l2norm(qi, Dk, scale);  // as lm.delta_rule._prepare
+          l2norm(ki, Dk, 1.f);
           G[i] = gamma += gh[t * g.stride(1)];
         }
         lower_dots(c, Dk, K, K, A, C);   // k_i . k_j

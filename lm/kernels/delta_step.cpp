@@ -59,14 +59,6 @@ inline void delta_head(float* s, int64_t Dk, const float* q, const float* k, con
   }
 }
 
-// a . b through the one-row product kernel (vec.h, dot_row): a scalar loop is one chain of
-// dependent adds, which GCC does not reorder
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s;
-  dot_row<1>(a, 0, b, n, &s, 1);
-  return s;
-}
-
 // One head's step: state s [Dk, Dv] in place, out [Dv]. Row-major for the usual head widths, by
 // column strips (each reduced over Dk, then updated while still in L1) for the others.
 inline void delta_step_head(float* s, int64_t Dk, int64_t Dv, const float* q, const float* k, const float* v,
@@ -81,12 +73,6 @@ inline void delta_step_head(float* s, int64_t Dk, int64_t Dv, const float* q, co
     default:
       for (int64_t c = 0; c < Dv; c += V) delta_block(s + c, Dk, Dv, q, k, v + c, d, beta, qk, out + c);
   }
-}
-
-// x <- x / sqrt(sum x^2 + eps) * scale
-inline void l2norm(float* x, int64_t n, float scale) {
-  const float r = scale / std::sqrt(dot(x, x, n) + 1e-6f);
-  for (int64_t i = 0; i < n; ++i) x[i] *= r;
 }
 
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }

@@ -75,6 +75,20 @@ inline void dot_row(const float* x, int64_t ldx, const float* w, int64_t K, floa
   }
 }
 
+// a . b through the one-row product kernel: a scalar loop is one chain of dependent adds, which GCC
+// does not reorder
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s;
+  dot_row<1>(a, 0, b, n, &s, 1);
+  return s;
+}
+
+// x <- x / sqrt(sum x^2 + eps) * scale (lm.delta_rule.l2norm, eps 1e-6)
+inline void l2norm(float* x, int64_t n, float scale) {
+  const float r = scale / std::sqrt(dot(x, x, n) + 1e-6f);
+  for (int64_t i = 0; i < n; ++i) x[i] *= r;
+}
+
 // The same for 5-8 x rows over k in [k0, k1), with 8-float accumulators (R of them: 16-float ones
 // would not all fit in registers), adding into y when `accumulate`.
 typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
