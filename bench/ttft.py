@@ -12,7 +12,9 @@ written to a temporary folder. Vision: the Qwen3.5-35B-A3B tower's sizes (hidden
 
 Each figure is printed beside its ratio to fp32 compute and its share of the compute limit of the
 instruction used, as probed here right before: torch's float32 SGEMM, its bf16 GEMM (oneDNN: AMX or
-AVX512-BF16 where present) and `torch._int_mm` (int8) on 2048^3.
+AVX512-BF16 where present) and `torch._int_mm` (int8) on 2048^3, each where native;
+for an AVX2 build (no VNNI, no AMX) the int8 limit is vpmaddubsw's peak in registers (the kernels'
+instruction_peak), and without AVX512-BF16 or AMX bf16 has none (emulated).
 """
 
 from __future__ import annotations
@@ -29,22 +31,40 @@ from bench.formats import make_checkpoint, prefill
 from bench.lm import prefill_flops
 from bench.limits import best_time
 from bench.vision import build_towers, vision_flops
+from lm.kernels import compute
 from mm.loading import set_vision_compute
 
 COMPUTES = {"bf16": ("fp32", "bf16"), "int8": ("fp32", "bf16", "int8"), "int4": ("fp32", "bf16", "int8")}
 
 
-def peaks(n: int = 2048) -> dict[str, float]:
-    """FLOP/s (int8: OP/s) of torch's GEMMs on n^3 per compute format: the limits the figures are shares of."""
+def peaks(module, n: int = 2048) -> dict[str, tuple[float, str]]:
+    """Per compute format, the limit its figures are shares of: (op/s, what it is). torch's GEMM on
+    n^3 where it is native (float32 SGEMM; bf16 on CPUs with AVX512-BF16 or AMX; `torch._int_mm` for
+    kernels built with VNNI or AMX); for the int8 products of an AVX2 build, their own instruction
+    (vpmaddubsw) at its peak in registers (the kernels' instruction_peak); for bf16 on other CPUs
+    none (nan: emulated)."""
+    flags = compute.cpu_flags()
     a, b = torch.randn(n, n), torch.randn(n, n)
-    a16, b16 = a.bfloat16(), b.bfloat16()
-    a8, b8 = torch.randint(-127, 127, (n, n), dtype=torch.int8), torch.randint(-127, 127, (n, n), dtype=torch.int8)
-    out = {"fp32": 2 * n**3 / best_time(lambda: a @ b), "bf16": 2 * n**3 / best_time(lambda: a16 @ b16)}
-    try:
-        out["int8"] = 2 * n**3 / best_time(lambda: torch._int_mm(a8, b8))
-    except RuntimeError:
-        out["int8"] = float("nan")
+    out = {"fp32": (2 * n**3 / best_time(lambda: a @ b), "GEMM limit")}
+    if flags & {"avx512_bf16", "amx_bf16"}:
+        a16, b16 = a.bfloat16(), b.bfloat16()
+        out["bf16"] = (2 * n**3 / best_time(lambda: a16 @ b16), "GEMM limit")
+    else:
+        out["bf16"] = (float("nan"), "limit: emulated here")
+    if module is None or not module.INT8_DOT:
+        out["int8"] = (float("nan"), "limit: no int8 dot products in this build")
+    elif module.VNNI or compute.tiles(module):
+        a8, b8 = torch.randint(-127, 127, (n, n), dtype=torch.int8), torch.randint(-127, 127, (n, n), dtype=torch.int8)
+        out["int8"] = (2 * n**3 / best_time(lambda: torch._int_mm(a8, b8)), "GEMM limit")
+    else:  # an AVX2 build: torch's int8 GEMM is no native limit there, the products' instruction is
+        out["int8"] = (max(module.instruction_peak("int8") for _ in range(3)), "limit (vpmaddubsw peak)")
     return out
+
+
+def share(ops_per_s: float, c: str, limit: dict) -> str:
+    """'62% of the int8 GEMM limit', or what stands in for it where there is none."""
+    peak, what = limit[c]
+    return f"no {c} {what}" if peak != peak else f"{ops_per_s / peak:.0%} of the {c} {what}"
 
 
 def lm_prefill(path: Path, weights: list[str], tokens: list[int], rounds: int, limit: dict) -> None:
@@ -54,9 +74,8 @@ def lm_prefill(path: Path, weights: list[str], tokens: list[int], rounds: int, l
             rates = prefill(models, t, rounds)  # tok/s per compute format, in turns
             flops = prefill_flops(next(iter(models.values())), t)
             for c, rate in rates.items():
-                share = flops * rate / t / limit[c]
                 print(f"prefill {t:5d} tokens, {fmt} weights, {c:4s} compute: {rate:7.1f} tok/s "
-                      f"({rate / rates['fp32']:.2f}x fp32 compute; {share:.0%} of the {c} GEMM limit)")
+                      f"({rate / rates['fp32']:.2f}x fp32 compute; {share(flops * rate / t, c, limit)})")
         del models
 
 
@@ -82,7 +101,7 @@ def vision(depth: int, rounds: int, limit: dict) -> None:
     for c, seconds in times.items():
         full = seconds * 27 / depth
         print(f"vision tower, 1,024-token image, {c} compute: {full:.2f} s at depth 27 ({depth} blocks timed; "
-              f"{times['fp32'] / seconds:.2f}x fp32; {flops / seconds / limit[c]:.0%} of the {c} GEMM limit)")
+              f"{times['fp32'] / seconds:.2f}x fp32; {share(flops / seconds, c, limit)})")
     print(f"vision tower bf16 features against fp32: max error {err:.2e} of their range")
 
 
@@ -99,9 +118,9 @@ def main() -> None:
     from lm import kernels
 
     module = kernels._kernels()
-    limit = peaks()
-    print(f"threads {torch.get_num_threads()}, AMX products {bool(module and module.amx_ready())}; GEMM limits "
-          + ", ".join(f"{c} {v / 1e9:.0f} G/s" for c, v in limit.items()))
+    limit = peaks(module)
+    print(f"threads {torch.get_num_threads()}, AMX products {bool(module and module.amx_ready())}; limits: "
+          + ", ".join(f"{c} {v / 1e9:.0f} G/s ({what})" if v == v else f"{c} none ({what})" for c, (v, what) in limit.items()))
     with tempfile.TemporaryDirectory() as tmp:
         path = args.checkpoint or make_checkpoint(Path(tmp) / "bench", args.vocab)
         started = time.perf_counter()

@@ -43,6 +43,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the calling thread's OpenMP worker threads end (its next parallel region starts new ones):
   // lm.kernels.release_openmp_workers says why. 0 on success, -1 inside a parallel region.
   m.def("release_openmp_workers", [] { return omp_pause_resource_all(omp_pause_soft); });
+  m.def("instruction_peak", &instruction_peak, "op/s of the products' 'fp32' FMA or 'int8' dot instruction, in registers "
+        "on every thread (a benchmark's limit)", py::arg("kind"), py::arg("steps") = 20000000);
   m.def("argmax_rows", &argmax_rows, "argmax of each row of a float32 [B, V] tensor (argmax's rules)");
   m.def("apply_token_bits", &apply_token_bits, "logits with -inf where a packed token bitmask's bit is clear (a new tensor)");
   m.def("causal_conv", &causal_conv, "depthwise causal conv + SiLU along time, one pass (prefill)");

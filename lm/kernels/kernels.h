@@ -97,6 +97,8 @@ bool bf16_attention_built();
 int64_t argmax(at::Tensor x);
 // ... of each row of a float32 [B, V] tensor
 std::vector<int64_t> argmax_rows(at::Tensor x);
+// peaks.cpp: op/s of the products' fp32 or int8 instruction in registers on every thread (bench limits)
+double instruction_peak(const std::string& kind, int64_t steps);
 // a constrained token's packed bitmask (bit t % 32 of word t / 32) applied: the others' logits -inf
 at::Tensor apply_token_bits(at::Tensor logits, at::Tensor bits);
 

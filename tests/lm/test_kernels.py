@@ -489,6 +489,20 @@ def test_argmax_rows_equals_argmax_of_each_row(monkeypatch):
             k.argmax_rows(bad)
 
 
+
+def test_instruction_peak_runs_each_kind_and_names_a_bad_one(monkeypatch):
+    """instruction_peak (bench/ttft.py's int8 limit on AVX2 builds): a finite, positive rate for each
+    kind this build has, and a clear error for any other kind or a step count below one."""
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", "1")
+    k = kernels.compiled()
+    for kind in ("fp32", "int8") if k.INT8_DOT else ("fp32",):
+        rate = k.instruction_peak(kind, 100_000)
+        assert 0 < rate < float("inf"), kind
+    with pytest.raises(RuntimeError, match="kind must be 'fp32' or 'int8', not 'bf16'"):
+        k.instruction_peak("bf16")
+    with pytest.raises(RuntimeError, match="steps must be positive"):
+        k.instruction_peak("fp32", 0)
+
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
