@@ -50,21 +50,21 @@ def peaks(module, n: int = 2048) -> dict[str, tuple[float, str]]:
         a16, b16 = a.bfloat16(), b.bfloat16()
         out["bf16"] = (2 * n**3 / best_time(lambda: a16 @ b16), "GEMM limit")
     else:
-        out["bf16"] = (float("nan"), "limit: emulated here")
+        out["bf16"] = (float("nan"), "emulated here")
     if module is None or not module.INT8_DOT:
-        out["int8"] = (float("nan"), "limit: no int8 dot products in this build")
+        out["int8"] = (float("nan"), "no int8 dot products in this build")
     elif module.VNNI or compute.tiles(module):
         a8, b8 = torch.randint(-127, 127, (n, n), dtype=torch.int8), torch.randint(-127, 127, (n, n), dtype=torch.int8)
         out["int8"] = (2 * n**3 / best_time(lambda: torch._int_mm(a8, b8)), "GEMM limit")
     else:  # an AVX2 build: torch's int8 GEMM is no native limit there, the products' instruction is
-        out["int8"] = (max(module.instruction_peak("int8") for _ in range(3)), "limit (vpmaddubsw peak)")
+        out["int8"] = (max(module.instruction_peak("int8") for _ in range(3)), "vpmaddubsw peak")
     return out
 
 
 def share(ops_per_s: float, c: str, limit: dict) -> str:
-    """'62% of the int8 GEMM limit', or what stands in for it where there is none."""
+    """'62% of the int8 GEMM limit', or why there is no limit."""
     peak, what = limit[c]
-    return f"no {c} {what}" if peak != peak else f"{ops_per_s / peak:.0%} of the {c} {what}"
+    return f"no {c} limit: {what}" if peak != peak else f"{ops_per_s / peak:.0%} of the {c} {what}"
 
 
 def lm_prefill(path: Path, weights: list[str], tokens: list[int], rounds: int, limit: dict) -> None:
