@@ -83,8 +83,12 @@ def weights_per_token(model) -> tuple[int, int]:
     """(weights of the 2-D products one token goes through, without the embedding table and the
     LM head; weights of its top-k experts)."""
     cfg = model.config.text
-    dense = sum(p.numel() for n, p in model.lm.named_parameters()
-                if p.ndim == 2 and "embed_tokens" not in n and "lm_head" not in n)
+    # a Linear's weights by its shape (int8 / int4 storage holds bytes, not weights); other matrices
+    # (the routers, kept in float) by their size
+    linears = {n: m for n, m in model.lm.named_modules() if isinstance(m, torch.nn.Linear)}
+    dense = sum(m.in_features * m.out_features for n, m in linears.items() if "lm_head" not in n)
+    dense += sum(p.numel() for n, p in model.lm.named_parameters()
+                 if p.ndim == 2 and n.rpartition(".")[0] not in linears and "embed_tokens" not in n)
     experts = cfg.num_hidden_layers * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
     return dense, experts
 
