@@ -20,6 +20,7 @@ instruction_peak), and without AVX512-BF16 or AMX bf16 has none (emulated).
 from __future__ import annotations
 
 import argparse
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch
 import mm
 from bench.formats import make_checkpoint, prefill
 from bench.lm import prefill_flops
-from bench.limits import best_time
+from bench.limits import best_time, matmul_flops
 from bench.vision import build_towers, vision_flops
 from lm.kernels import compute
 from mm.loading import set_vision_compute
@@ -43,11 +44,9 @@ def peaks(module, n: int = 2048) -> dict[str, tuple[float, str]]:
     kernels built with VNNI or AMX); for the int8 products of an AVX2 build, their own instruction
     (vpmaddubsw) at its peak in registers (the kernels' instruction_peak); for bf16 on other CPUs
     none (nan: emulated)."""
-    flags = compute.cpu_flags()
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    out = {"fp32": (2 * n**3 / best_time(lambda: a @ b), "GEMM limit")}
-    if flags & {"avx512_bf16", "amx_bf16"}:
-        a16, b16 = a.bfloat16(), b.bfloat16()
+    out = {"fp32": (matmul_flops(n), "GEMM limit")}
+    if compute.cpu_flags() & {"avx512_bf16", "amx_bf16"}:
+        a16, b16 = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
         out["bf16"] = (2 * n**3 / best_time(lambda: a16 @ b16), "GEMM limit")
     else:
         out["bf16"] = (float("nan"), "emulated here")
@@ -64,7 +63,7 @@ def peaks(module, n: int = 2048) -> dict[str, tuple[float, str]]:
 def share(ops_per_s: float, c: str, limit: dict) -> str:
     """'62% of the int8 GEMM limit', or why there is no limit."""
     peak, what = limit[c]
-    return f"no {c} limit: {what}" if peak != peak else f"{ops_per_s / peak:.0%} of the {c} {what}"
+    return f"no {c} limit: {what}" if math.isnan(peak) else f"{ops_per_s / peak:.0%} of the {c} {what}"
 
 
 def lm_prefill(path: Path, weights: list[str], tokens: list[int], rounds: int, limit: dict) -> None:
@@ -120,7 +119,7 @@ def main() -> None:
     module = kernels._kernels()
     limit = peaks(module)
     print(f"threads {torch.get_num_threads()}, AMX products {bool(module and module.amx_ready())}; limits: "
-          + ", ".join(f"{c} {v / 1e9:.0f} G/s ({what})" if v == v else f"{c} none ({what})" for c, (v, what) in limit.items()))
+          + ", ".join(f"{c} none ({what})" if math.isnan(v) else f"{c} {v / 1e9:.0f} G/s ({what})" for c, (v, what) in limit.items()))
     with tempfile.TemporaryDirectory() as tmp:
         path = args.checkpoint or make_checkpoint(Path(tmp) / "bench", args.vocab)
         started = time.perf_counter()

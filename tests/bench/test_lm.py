@@ -2,7 +2,6 @@
 
 import mm
 from bench.lm import prefill_flops, weights_per_token
-from lm.formats import format_in
 
 
 def test_flops_count_weights_by_shape_whatever_their_storage(checkpoints):
@@ -13,6 +12,6 @@ def test_flops_count_weights_by_shape_whatever_their_storage(checkpoints):
     for weights in ("fp32", "int8", "int4"):
         model = mm.load_model(path, weights=weights)
         if weights != "fp32":  # the test means something only if some matrices are stored compact
-            assert any(format_in(m).name == weights for m in model.lm.modules() if hasattr(m, "fmt"))
+            assert any(m.fmt.name == weights for m in model.lm.modules() if hasattr(m, "fmt"))
         counted[weights] = (weights_per_token(model), prefill_flops(model, 100))
     assert counted["int8"] == counted["fp32"] and counted["int4"] == counted["fp32"]
