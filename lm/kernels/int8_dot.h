@@ -419,14 +419,17 @@ inline void tiles_i8(const QuantizedX& x, int64_t M, const Rows& W, int64_t n, f
 
 // Prefill tiles of AVX2 builds without VNNI: 16 weight rows (two groups, a register each) by R rows
 // of x (Q8_0: 2, Q4_0: 4), so that each broadcast of x's 4 quants serves both groups and x's rows
-// are read from cache half as often as in the decode kernels' 8-row steps (measured in a harness of
-// block_i8_rows' loop on a Zen 3: 1.06-1.25x for Q8_0 and 1.11-1.46x for Q4_0; Q8_0 with 4 rows and
-// Q4_0 with 2 or 3 were slower). The integer block dots, their scaling and the float32 sums come in
-// the decode kernels' order, so every row of y has the same bits.
+// are read from cache half as often as in the decode kernels' 8-row steps. `bench.ab --products` on
+// a Zen 3, in turns against those kernels: Q4_0 1.04-1.15x from 16 to 512 rows of x; Q8_0 1.04-1.09x
+// at 512 rows but 0.95-0.99x at 16-128 (where x's rows stay in L1 beside one group, and two groups
+// crowd them out), so Q8_0 takes the tiles from AVX2_Q8_TILES_FROM rows on. Q8_0 with 4 rows of x
+// and Q4_0 with 2 or 3 ran slower in a harness. The integer block dots, their scaling and the float32
+// sums come in the decode kernels' order, so every row of y has the same bits.
 #if defined(__AVX2__) && !QWEN35_VNNI
 #define QWEN35_AVX2_TILES 1
 template <class T>
 constexpr int avx2_tile_rows() { return std::is_same_v<T, TraitsQ4_0> ? 4 : 2; }
+constexpr int64_t AVX2_Q8_TILES_FROM = 256;  // rows of x
 
 // y[r * ldy + j] = weight row j of groups g0 (j < 8) and g1 (8 + j) . x[r0 + r], r < R.
 template <class T, int R>
@@ -509,8 +512,9 @@ inline void tiles_i8_avx2(const QuantizedX& x, int64_t M, const Rows& W, int64_t
 
 // block_i8 for many rows of x (prefill): x's rows in tiles of at most 64 KiB of quants, so that a
 // tile stays in L2 while the weight groups of [n0, n1) are read against it (each group from L1 for
-// all of the tile's rows); in the 512-bit tiles above where the build has them, else in AVX2's. Each row's y is the
-// same bit for bit as in a product of that row alone (K-quant rows in panels, kquant_tiles.h: to float32 rounding).
+// all of the tile's rows); in the 512-bit tiles above where the build has them, else in AVX2's (Q8_0
+// from AVX2_Q8_TILES_FROM rows). Each row's y is the same bit for bit as in a product of that row
+// alone (K-quant rows in panels, kquant_tiles.h: to float32 rounding).
 inline void block_i8_rows(const QuantizedX& x, int64_t M, const Rows& W, int64_t n0, int64_t n1, float* y,
                           int64_t ldy) {
 #if QWEN35_KQUANT_TILES
@@ -529,7 +533,7 @@ inline void block_i8_rows(const QuantizedX& x, int64_t M, const Rows& W, int64_t
     }
 #endif
 #if QWEN35_AVX2_TILES
-    for (; !kquant(W.fmt) && n + 2 * RG <= n1; n += 2 * RG) {
+    for (; (W.fmt == Q4_0 || (W.fmt == Q8_0 && M >= AVX2_Q8_TILES_FROM)) && n + 2 * RG <= n1; n += 2 * RG) {
       if (W.fmt == Q4_0)
         tiles_i8_avx2<TraitsQ4_0>(x, rows, W, n, y + m0 * ldy, ldy, m0);
       else

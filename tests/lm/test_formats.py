@@ -269,14 +269,14 @@ def test_moe_decode_rows_together_equal_each_row_alone_with_int8_activations(int
         assert rel_err(together[n : n + 1], moe(x[n : n + 1])) < 1e-6
 
 
+@pytest.mark.parametrize("rows", [3 * kernels.MAX_ROWS + 5, 261])  # AVX2 builds: Q8_0 tiles from 256 rows
 @pytest.mark.parametrize("fmt", [INT8, INT4])
-def test_prefill_products_with_int8_activations(int8_on, fmt):
+def test_prefill_products_with_int8_activations(int8_on, fmt, rows):
     """More rows than a decode batch (prefill) take int8_linear: x rounded to Q8_0 blocks, equal to
     the float64 product with those activations, and each row the same bits as that row alone in a
     decode product (the same integer dots and scaling), so prefill and decode agree."""
     w, g = _weights(n=56, seed=4), torch.Generator().manual_seed(5)
     q, wf = fmt.quantize(w), fmt.dequantize(fmt.quantize(w), 256).double()
-    rows = 3 * kernels.MAX_ROWS + 5
     x = torch.randn(rows, 256, generator=g)
     xq = q8_0_round(x).double()
     y = kernels.linear(x.view(1, rows, 256), (q, fmt))[0]
