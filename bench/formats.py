@@ -101,16 +101,22 @@ def greedy(model, ids, new: int) -> list[list[int]]:
 def prefill(models: dict, tokens: int, rounds: int = 3) -> dict:
     """Per format: prefill tok/s of a `tokens` prompt (last token's logits), best of `rounds`, the
     formats taking turns as in `decode`."""
+    return {fmt: tokens / min(times) for fmt, times in prefill_rounds(models, tokens, rounds).items()}
+
+
+def prefill_rounds(models: dict, tokens: int, rounds: int = 3) -> dict:
+    """Per format: the seconds of each round's prefill of a `tokens` prompt, the formats taking turns
+    (round r of every format close together in time, so that their ratios see the same machine)."""
     ids = torch.randint(0, next(iter(models.values())).config.text.vocab_size, (1, tokens),
                         generator=torch.Generator().manual_seed(1))
-    best = dict.fromkeys(models, float("inf"))
+    times = {fmt: [] for fmt in models}
     with torch.no_grad():
         for model in models.values():
             model.lm(ids, last_only=True)  # warm-up
         for _ in range(rounds):
             for fmt, model in models.items():
-                best[fmt] = min(best[fmt], best_time(lambda: model.lm(ids, last_only=True), repeats=1, warmup=0))
-    return {fmt: tokens / t for fmt, t in best.items()}
+                times[fmt].append(best_time(lambda: model.lm(ids, last_only=True), repeats=1, warmup=0))
+    return times
 
 
 def accuracy(model, reference: dict) -> tuple[float, float]:

@@ -1,11 +1,12 @@
 """Time to the first token: LM prefill and the vision tower per compute format (lm/kernels/compute.py).
 
     python -m bench.ttft [--checkpoint DIR] [--weights bf16,int8,int4] [--tokens 512,2048]
-                         [--vision-depth 6] [--rounds 2]
+                         [--vision-depth 6] [--rounds 2] [--computes int8]
 
 LM prefill: one prompt of each length (last token's logits, as llama-bench's pp), for each weight
-format loaded once per compute format (fp32, and the others that apply); the formats take turns,
-best of `--rounds`. Default checkpoint: a random one with bench/lm.py's proportions (bench.formats),
+format loaded once per compute format (fp32, and the others that apply, or those of `--computes`);
+the formats take turns, best of `--rounds`, and each speedup is the median of the rounds' paired
+ratios. Default checkpoint: a random one with bench/lm.py's proportions (bench.formats),
 written to a temporary folder. Vision: the Qwen3.5-35B-A3B tower's sizes (hidden 1152, depth 27;
 `--vision-depth` blocks are built and the time scaled to 27, each block costing the same) on a
 1024 x 1024 image (4,096 patches, 1,024 LM tokens), float32 against bf16 products.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +30,7 @@ from pathlib import Path
 import torch
 
 import mm
-from bench.formats import make_checkpoint, prefill
+from bench.formats import make_checkpoint, prefill_rounds
 from bench.lm import prefill_flops
 from bench.limits import best_time, matmul_flops
 from bench.vision import build_towers, vision_flops
@@ -66,15 +68,26 @@ def share(ops_per_s: float, c: str, limit: dict) -> str:
     return f"no {c} limit: {what}" if math.isnan(peak) else f"{ops_per_s / peak:.0%} of the {c} {what}"
 
 
-def lm_prefill(path: Path, weights: list[str], tokens: list[int], rounds: int, limit: dict) -> None:
+def paired(times: list[float], fp32: list[float]) -> str:
+    """The speedup over fp32 compute as the median of the rounds' ratios (each round's two prefills
+    ran one after the other) and their range: this VM's speed moves by 10-50% within minutes, which
+    the best times of each format, taken in different rounds, do not cancel."""
+    ratios = sorted(f / t for f, t in zip(fp32, times))
+    return f"{statistics.median(ratios):.2f}x fp32 compute, rounds {ratios[0]:.2f}-{ratios[-1]:.2f}"
+
+
+def lm_prefill(path: Path, weights: list[str], tokens: list[int], rounds: int, limit: dict,
+               computes: set[str] | None = None) -> None:
     for fmt in weights:
-        models = {c: mm.load_model(path, weights=fmt, compute=c) for c in COMPUTES[fmt]}
+        models = {c: mm.load_model(path, weights=fmt, compute=c) for c in COMPUTES[fmt] if not computes or c in computes}
         for t in tokens:
-            rates = prefill(models, t, rounds)  # tok/s per compute format, in turns
+            times = prefill_rounds(models, t, rounds)  # seconds per round and compute format, in turns
             flops = prefill_flops(next(iter(models.values())), t)
-            for c, rate in rates.items():
-                print(f"prefill {t:5d} tokens, {fmt} weights, {c:4s} compute: {rate:7.1f} tok/s "
-                      f"({rate / rates['fp32']:.2f}x fp32 compute; {share(flops * rate / t, c, limit)})")
+            for c, seconds in times.items():
+                rate = t / min(seconds)
+                speedup = paired(seconds, times["fp32"]) if c != "fp32" else "the reference"
+                print(f"prefill {t:5d} tokens, {fmt} weights, {c:4s} compute: {rate:7.1f} tok/s, best of {rounds} "
+                      f"({speedup}; {share(flops * rate / t, c, limit)})")
         del models
 
 
@@ -111,6 +124,7 @@ def main() -> None:
     parser.add_argument("--tokens", default="512")
     parser.add_argument("--vision-depth", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--computes", default="", help="LM prefill: only these compute formats (fp32 always runs)")
     parser.add_argument("--vocab", type=int, default=32768, help="vocabulary of the default checkpoint")
     args = parser.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -123,7 +137,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.checkpoint or make_checkpoint(Path(tmp) / "bench", args.vocab)
         started = time.perf_counter()
-        lm_prefill(path, args.weights.split(","), [int(t) for t in args.tokens.split(",")], args.rounds, limit)
+        computes = {"fp32", *args.computes.split(",")} if args.computes else None
+        lm_prefill(path, args.weights.split(","), [int(t) for t in args.tokens.split(",")], args.rounds, limit, computes)
         print(f"(LM part {time.perf_counter() - started:.0f} s)")
     if args.vision_depth:
         vision(args.vision_depth, args.rounds, limit)
