@@ -421,7 +421,7 @@ inline void tiles_i8(const QuantizedX& x, int64_t M, const Rows& W, int64_t n, f
 // of x (Q8_0: 2, Q4_0: 4), so that each broadcast of x's 4 quants serves both groups and x's rows
 // are read from cache half as often as in the decode kernels' 8-row steps. `bench.ab --products` on
 // a Zen 3, in turns against those kernels: Q4_0 1.04-1.15x from 16 to 512 rows of x; Q8_0 1.04-1.09x
-// at 512 rows but 0.95-0.99x at 16-128 (where x's rows stay in L1 beside one group, and two groups
+// at 512 rows but 0.91-0.99x at 16-128 (where x's rows stay in L1 beside one group, and two groups
 // crowd them out), so Q8_0 takes the tiles from AVX2_Q8_TILES_FROM rows on. Q8_0 with 4 rows of x
 // and Q4_0 with 2 or 3 ran slower in a harness. The integer block dots, their scaling and the float32
 // sums come in the decode kernels' order, so every row of y has the same bits.
