@@ -79,7 +79,8 @@ def paired(times: list[float], fp32: list[float]) -> str:
 def lm_prefill(path: Path, weights: list[str], tokens: list[int], rounds: int, limit: dict,
                computes: set[str] | None = None) -> None:
     for fmt in weights:
-        models = {c: mm.load_model(path, weights=fmt, compute=c) for c in COMPUTES[fmt] if not computes or c in computes}
+        keep = COMPUTES[fmt] if not computes else [c for c in COMPUTES[fmt] if c == "fp32" or c in computes]  # fp32: every ratio's base
+        models = {c: mm.load_model(path, weights=fmt, compute=c) for c in keep}
         for t in tokens:
             times = prefill_rounds(models, t, rounds)  # seconds per round and compute format, in turns
             flops = prefill_flops(next(iter(models.values())), t)
@@ -137,7 +138,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.checkpoint or make_checkpoint(Path(tmp) / "bench", args.vocab)
         started = time.perf_counter()
-        computes = {"fp32", *args.computes.split(",")} if args.computes else None
+        computes = set(args.computes.split(",")) if args.computes else None
         lm_prefill(path, args.weights.split(","), [int(t) for t in args.tokens.split(",")], args.rounds, limit, computes)
         print(f"(LM part {time.perf_counter() - started:.0f} s)")
     if args.vision_depth:
