@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from . import kernels
@@ -14,6 +15,7 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_se
 INT_MAX = (1 << 31) - 1  # the largest token count or top_k any request may name
 MAX_LOGPROBS = 20  # the most alternatives a sampled token's logprobs list (OpenAI's limit)
 PREFIX_SEARCH = 1024  # top-p / min-p look for their cut among this many likeliest tokens first (_candidates)
+DRAW_BLOCK = 1024  # draw() sums the probabilities in blocks of this many, then searches one block
 
 
 @dataclass(frozen=True)
@@ -139,8 +141,8 @@ class Sampler:
                 picks.append(argmax(scores))
             else:
                 candidates, probs = _candidates(scores / p.temperature, p)
-                choice = torch.multinomial(probs, 1, generator=self.generators[row])
-                picks.append(int(choice) if candidates is None else int(candidates[choice]))
+                choice = draw(probs, self.generators[row])
+                picks.append(choice if candidates is None else int(candidates[choice]))
             if p.logprobs is not None:
                 self.logprobs[row] = _logprobs(scores, picks[-1], p.logprobs)
         return picks
@@ -166,7 +168,36 @@ class Sampler:
 
     def draw(self, probs: torch.Tensor, row: int) -> int:
         """A token drawn from probs [V] with the row's generator."""
-        return int(torch.multinomial(probs, 1, generator=self.generators[row]))
+        return draw(probs, self.generators[row])
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """An index drawn from `probs` [n] (non-negative weights, any positive sum), with probability
+    probs[i] / sum(probs): the inverse of their cumulative sum, in float64, at one uniform number of
+    `generator` (the global one when None). Zero weights are never drawn. torch.multinomial draws one
+    exponential number per entry: ~8 ms for a 248k vocabulary on 2 cores, as much as a decode step of
+    a small model for each sampled row; this sums blocks of DRAW_BLOCK weights, finds the block, then
+    the entry in it: ~0.25 ms. Raises ValueError for NaN, infinite or negative weights, or no
+    positive one, as torch.multinomial does."""
+    p = probs.detach().reshape(-1).cpu()
+    p = (p if p.dtype in (torch.float32, torch.float64) else p.float()).contiguous().numpy()
+    whole = p.size // DRAW_BLOCK * DRAW_BLOCK
+    sums = p[:whole].reshape(-1, DRAW_BLOCK).sum(axis=1, dtype=np.float64)
+    if whole < p.size:
+        sums = np.append(sums, p[whole:].sum(dtype=np.float64))
+    cdf = np.cumsum(sums)
+    if not (p.size and np.isfinite(cdf[-1]) and cdf[-1] > 0 and p.min() >= 0):
+        raise ValueError("draw: probabilities must be finite and non-negative with a positive sum")
+    u = float(torch.rand((), dtype=torch.float64, generator=generator)) * cdf[-1]
+    block = int(np.searchsorted(cdf, u, side="right"))
+    if block == len(cdf):  # u rounded up to the total: the last block with weight
+        block = int(np.flatnonzero(sums)[-1])
+    start = cdf[block - 1] if block else 0.0
+    part = p[block * DRAW_BLOCK:(block + 1) * DRAW_BLOCK]
+    i = int(np.searchsorted(start + np.cumsum(part, dtype=np.float64), u, side="right"))
+    if i == len(part):  # the block's own sum rounded above its running sum: its last entry with weight
+        i = int(np.flatnonzero(part)[-1])
+    return block * DRAW_BLOCK + i
 
 
 def argmax(scores: torch.Tensor) -> int:

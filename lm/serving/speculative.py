@@ -45,7 +45,7 @@ import torch
 from .. import decode
 from ..cache import Cache
 from ..model import CausalLM
-from ..sampling import Sampler, SamplingParams, argmax
+from ..sampling import Sampler, SamplingParams, argmax, draw
 from . import runner
 
 
@@ -115,7 +115,7 @@ def speculative_pick(p: torch.Tensor, q: torch.Tensor, drafted: int,
     residual = (p - q).clamp(min=0)
     if not bool(residual.sum() > 0):  # p <= q everywhere: only rounding rejects then; p is the law
         residual = p
-    return int(torch.multinomial(residual, 1, generator=generator)), False
+    return draw(residual, generator), False
 
 
 def generate_speculative(lm: CausalLM, input_ids: torch.Tensor, params: list[SamplingParams], *,

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from lm import Sampler, SamplingParams
-from lm.sampling import _candidates, _penalise, argmax
+from lm import sampling
+from lm.sampling import DRAW_BLOCK, _candidates, _penalise, argmax, draw
 
 
 def test_greedy_picks_argmax_per_row():
@@ -118,6 +119,54 @@ def test_sampling_follows_the_distribution():
     for _ in range(3000):
         counts[sampler(logits, [0], [[]])[0]] += 1
     assert torch.allclose(counts / 3000, torch.tensor([0.6, 0.3, 0.1]), atol=0.03)
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs / probs.sum() * counts.sum()
+    seen = expected > 0
+    assert not counts[~seen].any(), "an entry of zero weight was drawn"
+    return float(((counts[seen] - expected[seen]) ** 2 / expected[seen]).sum())
+
+
+def test_draw_follows_the_weights_across_blocks():
+    """Weights spread over three blocks of DRAW_BLOCK and a partial one (zeros between them), not
+    normalised: 40,000 draws of a fixed seed against their law. 27.88 is the chi-square quantile at
+    0.999 for 9 degrees of freedom; torch.multinomial passes the same check."""
+    probs = torch.zeros(3 * DRAW_BLOCK + 37)
+    hot = [0, 5, DRAW_BLOCK - 1, DRAW_BLOCK, 2 * DRAW_BLOCK + 500, 3 * DRAW_BLOCK - 1, 3 * DRAW_BLOCK,
+           3 * DRAW_BLOCK + 36, 17, 2 * DRAW_BLOCK]
+    probs[hot] = torch.tensor([3.0, 0.5, 1.0, 2.0, 0.25, 1.5, 0.75, 2.5, 0.05, 1.0])
+    g = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([draw(probs, g) for _ in range(40_000)]), minlength=probs.numel())
+    assert _chi_square(counts.float(), probs) < 27.88
+    reference = torch.bincount(torch.multinomial(probs, 40_000, replacement=True, generator=torch.Generator().manual_seed(0)),
+                               minlength=probs.numel())  # fmt: skip
+    assert _chi_square(reference.float(), probs) < 27.88
+
+
+def test_draw_is_reproducible_and_takes_any_float_dtype():
+    probs = torch.softmax(torch.randn(5000, generator=torch.Generator().manual_seed(1)), -1)
+    a = [draw(probs, torch.Generator().manual_seed(7)) for _ in range(3)]
+    g = torch.Generator().manual_seed(7)
+    assert [draw(probs, g) for _ in range(1)] == a[:1] and len(set(a)) == 1
+    assert draw(probs.double(), torch.Generator().manual_seed(7)) == a[0]
+    assert draw(probs.bfloat16(), torch.Generator().manual_seed(7)) in range(5000)
+
+
+def test_draw_at_the_top_of_the_uniform_range_takes_the_last_weighted_entry(monkeypatch):
+    """A uniform number that rounds up to the total (or a block's float64 sum above its running sum)
+    draws the last entry with weight, never a zero one or one past the end."""
+    monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
+    probs = torch.zeros(2 * DRAW_BLOCK + 10)
+    probs[[3, DRAW_BLOCK + 7]] = torch.tensor([0.3, 0.7])
+    assert draw(probs) == DRAW_BLOCK + 7
+    assert draw(torch.tensor([0.5, 0.5, 0.0])) == 1
+
+
+@pytest.mark.parametrize("probs", [[0.5, float("nan")], [0.5, -0.1], [0.0, 0.0], [], [1.0, float("inf")]])
+def test_draw_refuses_weights_multinomial_refuses(probs):
+    with pytest.raises(ValueError, match="finite and non-negative with a positive sum"):
+        draw(torch.tensor(probs))
 
 
 @pytest.mark.parametrize(
