@@ -145,15 +145,17 @@ def set_vision_compute(compute: str, visual) -> None:
 
 
 def vision_compute(compute: str, visual) -> str:
-    """The vision tower's compute format for the load's `compute`: fp32 or bf16 (torch's bf16 GEMMs;
-    "int8" takes bf16 there). "auto": bf16 when the tower's matrices are stored in bf16 and the CPU
-    multiplies bf16 natively (AVX512-BF16 or AMX-BF16), else fp32."""
+    """The vision tower's compute format for the load's `compute`: fp32 or bf16 (torch's bf16 GEMMs).
+    "auto": bf16 when the tower's matrices are stored in bf16 and the CPU multiplies bf16 natively
+    (AVX512-BF16 or AMX-BF16), else fp32. "int8" (the tower has no int8 products): bf16 where the CPU
+    multiplies it natively, else fp32, which is faster there than emulated bf16."""
     native = bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
     if compute == "auto":
         return "bf16" if native and visual.blocks[0].mlp.linear_fc1.weight.dtype == torch.bfloat16 else "fp32"
     if compute == "int8":
-        say_once("vision-int8", "compute='int8': the vision tower has no int8 products; it computes in bf16")
-        compute = "bf16"
+        compute = "bf16" if native else "fp32"
+        say_once("vision-int8", f"compute='int8': the vision tower has no int8 products; it computes in {compute}"
+                 + ("" if native else " (this CPU has no AVX512-BF16 or AMX-BF16: bf16 would run emulated, slower)"))
     if compute == "bf16" and not native:
         say_once("vision-bf16-emulated", "compute='bf16' on a CPU without AVX512-BF16 or AMX-BF16: the vision "
                  "tower's bf16 products run emulated by torch, slower than float32")  # fmt: skip

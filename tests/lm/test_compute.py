@@ -184,6 +184,20 @@ def test_vision_features_bf16_against_fp32(checkpoints):
         assert 0 < rel_err(visual(pixels, grid), exact) < 0.02
 
 
+@pytest.mark.parametrize("flags, tower", [(set(), "fp32"), ({"avx512_bf16"}, "bf16"), ({"amx_bf16"}, "bf16")])
+def test_int8_compute_leaves_the_vision_tower_in_its_fastest_float_format(checkpoints, monkeypatch, capsys, flags, tower):
+    """The tower has no int8 products: under compute='int8' it takes bf16 where the CPU multiplies
+    bf16 natively, and float32 elsewhere (emulated bf16 runs slower than float32), and says which once."""
+    import mm.loading
+
+    monkeypatch.setattr(mm.loading, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(kernels.compute, "_said", set())
+    visual = mm.load_model(checkpoints("moe")[1], weights="bf16", compute="fp32").visual
+    mm.loading.set_vision_compute("int8", visual)
+    assert visual.compute == tower
+    assert f"the vision tower has no int8 products; it computes in {tower}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("length, heads, head_dim", [(37, 3, 72), (64, 2, 64), (5, 1, 16), (130, 2, 40)])
 def test_bf16_attention_against_float32_attention(length, heads, head_dim):
     """The bf16 attention kernel, on strided q / k / v as the vision tower passes them (q and k from
