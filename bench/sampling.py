@@ -1,6 +1,7 @@
-"""What drawing one sampled token costs: lm.sampling.draw beside torch.multinomial, on the real
-vocabulary, and a whole Sampler call for rows sampled from the full vocabulary (temperature 1, no
-top-k / top-p / min-p: the OpenAI API's defaults).
+"""What picking sampled tokens costs on the real vocabulary: lm.sampling.draw beside torch.multinomial,
+lm.sampling.largest (the kernels' top-k) beside torch.topk, and a whole Sampler call for a batch of
+rows under the OpenAI API's defaults (temperature 1, no top-k / top-p / min-p) and under Qwen's
+recommended settings (temperature 0.7, top-p 0.8, top-k 20; thinking: 0.6, 0.95, 20).
 
     python -m bench.sampling [--vocab 248320] [--rows 8] [--rounds 50]
 
@@ -18,7 +19,7 @@ import time
 import torch
 
 from lm import Sampler, SamplingParams
-from lm.sampling import draw
+from lm.sampling import draw, largest
 
 STEP_MS = 200.0
 
@@ -45,14 +46,21 @@ def main() -> None:
     theirs = median_ms(lambda: torch.multinomial(probs, 1, generator=g), args.rounds)
     print(f"one draw over {args.vocab} tokens: draw {ours:.3f} ms, torch.multinomial {theirs:.3f} ms "
           f"({theirs / ours:.1f}x)")
-    logits = torch.randn(args.rows, args.vocab, generator=g)
-    sampler = Sampler([SamplingParams(temperature=1.0, seed=i) for i in range(args.rows)], [[]] * args.rows)
+    scores = torch.randn(args.vocab, generator=g) * 3
+    for k in (20, 1024):
+        ours = median_ms(lambda: largest(scores, k), args.rounds)
+        theirs = median_ms(lambda: torch.topk(scores, k), args.rounds)
+        print(f"top-{k} of {args.vocab} logits: largest {ours:.3f} ms, torch.topk {theirs:.3f} ms ({theirs / ours:.1f}x)")
+    logits = torch.randn(args.rows, args.vocab, generator=g) * 3
     rows, outputs = list(range(args.rows)), [[] for _ in range(args.rows)]
-    step = median_ms(lambda: sampler(logits, rows, outputs), args.rounds)
-    print(f"Sampler, {args.rows} rows at temperature 1: {step:.2f} ms a step "
-          f"({step / STEP_MS:.0%} of a {STEP_MS:.0f} ms decode step); with torch.multinomial it would add "
-          f"{args.rows * (theirs - ours):.1f} ms")
-
+    settings = {"temperature 1": dict(temperature=1.0),
+                "0.7 / top-p 0.8 / top-k 20": dict(temperature=0.7, top_p=0.8, top_k=20),
+                "0.6 / top-p 0.95 / top-k 20": dict(temperature=0.6, top_p=0.95, top_k=20)}
+    for name, kwargs in settings.items():
+        sampler = Sampler([SamplingParams(seed=i, **kwargs) for i in range(args.rows)], [[]] * args.rows)
+        step = median_ms(lambda: sampler(logits, rows, outputs), args.rounds)
+        print(f"Sampler, {args.rows} rows, {name}: {step:.2f} ms a step ({step / STEP_MS:.1%} of a {STEP_MS:.0f} ms "
+              f"decode step)")
 
 if __name__ == "__main__":
     main()

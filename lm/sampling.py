@@ -315,17 +315,28 @@ def _candidates(scores: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor |
     if not p.top_k and p.top_p >= 1.0 and p.min_p <= 0:
         return None, torch.softmax(scores, dim=-1)
     if p.top_k:
-        values, index = torch.topk(scores, min(p.top_k, scores.shape[-1]))
+        values, index = largest(scores, min(p.top_k, scores.shape[-1]))
         probs = torch.softmax(values, dim=-1)  # sorted, descending
     else:
         total = torch.logsumexp(scores, dim=-1)  # probabilities of the whole vocabulary, computed alike
-        values, index = torch.topk(scores, min(PREFIX_SEARCH, scores.shape[-1]))
+        values, index = largest(scores, min(PREFIX_SEARCH, scores.shape[-1]))
         probs = torch.exp(values - total)
         if values.shape[-1] < scores.shape[-1] and _kept(probs, p) == values.shape[-1]:  # the cut lies beyond
             values, index = torch.sort(scores, descending=True)
             probs = torch.exp(values - total)
     n = _kept(probs, p)
     return index[:n], probs[:n] / probs[:n].sum()
+
+
+def largest(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.topk(scores, k)` of a 1-D tensor: the k largest values, largest first, and their indices.
+    On CPU float32 through the kernels' `largest_k` (lm/kernels/argmax.cpp: one pass against a
+    running threshold; over a 248k vocabulary 0.5-0.8 -> 0.11 ms for k = 20), which ranks as torch.topk
+    does for distinct values and a NaN above every number, and equal values by index."""
+    if scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 1:
+        if (k_ := kernels._kernels()) is not None:
+            return k_.largest_k(scores.contiguous(), k)
+    return torch.topk(scores, k)
 
 
 def _kept(probs: torch.Tensor, p: SamplingParams) -> int:

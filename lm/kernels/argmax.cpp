@@ -84,3 +84,66 @@ std::vector<int64_t> argmax_rows(at::Tensor x) {
   for (int64_t b = 0; b < x.size(0); ++b) out[b] = argmax_of(p + b * x.size(1), x.size(1));
   return out;
 }
+
+// Sampling's top-k: the k largest values of a row of logits and their indices, best first, ranked as
+// torch.topk ranks distinct values (a NaN above every number); equal values by index, the first
+// first. One pass against a running threshold, the k-th best value so far: most values lie at or
+// below it and cost one vector compare; the others go to a buffer that is cut back to the k best
+// whenever it holds 4k. Over a 248,320-token vocabulary of random logits on 2 Zen 3 cores: 0.11 ms
+// for k = 20 where torch.topk took 0.5-0.8 ms (a sampled row's largest cost beside the decode step),
+// 1.0 ms for k = 1,024 against 1.1-1.5 ms.
+std::tuple<at::Tensor, at::Tensor> largest_k(at::Tensor x, int64_t k) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 1 && x.is_contiguous() &&
+                  x.numel() < (int64_t(1) << 31),
+              "largest_k: x must be a contiguous float32 CPU vector of fewer than 2^31 values");
+  TORCH_CHECK(k >= 0 && k <= x.numel(), "largest_k: k must be in [0, ", x.numel(), "], not ", k);
+  const float* p = x.data_ptr<float>();
+  const int64_t n = x.numel();
+  auto better = [p](int64_t a, int64_t b) {  // a ranks before b
+    const float va = p[a], vb = p[b];
+    const bool na = va != va, nb = vb != vb;
+    if (na != nb) return na;
+    if (!na && va != vb) return va > vb;
+    return a < b;
+  };
+  std::vector<int64_t> kept;
+  kept.reserve(4 * k + 16);
+  float thr = 0.f;  // the k-th best value kept: a later value enters if larger, or NaN
+  bool full = false;  // whether all kept values are NaN: no later value can enter
+  auto cut = [&] {
+    std::nth_element(kept.begin(), kept.begin() + (k - 1), kept.end(), better);
+    kept.resize(k);
+    thr = p[kept[k - 1]];  // nth_element put the k-th best there
+    full = thr != thr;
+  };
+  int64_t i = std::min(n, k);
+  for (int64_t j = 0; j < i; ++j) kept.push_back(j);
+  if (k > 0 && i < n) {
+    cut();
+    const size_t cap = 4 * size_t(k);
+#if defined(__AVX2__)
+    __m256 t = _mm256_set1_ps(thr);
+    for (; !full && i + 8 <= n; i += 8) {
+      int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + i), t, _CMP_NLE_UQ));  // > thr, or NaN
+      for (; mask; mask &= mask - 1) kept.push_back(i + __builtin_ctz(mask));
+      if (kept.size() >= cap) {
+        cut();
+        t = _mm256_set1_ps(thr);
+      }
+    }
+#endif
+    for (; !full && i < n; ++i) {
+      if (!(p[i] <= thr)) kept.push_back(i);
+      if (kept.size() >= cap) cut();
+    }
+  }
+  std::sort(kept.begin(), kept.end(), better);
+  kept.resize(std::min<int64_t>(k, kept.size()));
+  auto values = at::empty({int64_t(kept.size())}, x.options());
+  auto indices = at::empty({int64_t(kept.size())}, x.options().dtype(at::kLong));
+  for (size_t j = 0; j < kept.size(); ++j) {
+    values.data_ptr<float>()[j] = p[kept[j]];
+    indices.data_ptr<int64_t>()[j] = kept[j];
+  }
+  return {values, indices};
+}

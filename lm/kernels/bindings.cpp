@@ -46,6 +46,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("instruction_peak", &instruction_peak, "op/s of the products' 'fp32' FMA or 'int8' dot instruction, in registers "
         "on every thread (a benchmark's limit)", py::arg("kind"), py::arg("steps") = 20000000);
   m.def("argmax_rows", &argmax_rows, "argmax of each row of a float32 [B, V] tensor (argmax's rules)");
+  m.def("largest_k", &largest_k, "(values, indices) of the k largest values of a float32 vector, best first: torch.topk's "
+        "order for distinct values (NaN first), equal values by index", py::arg("x"), py::arg("k"));
   m.def("apply_token_bits", &apply_token_bits, "logits with -inf where a packed token bitmask's bit is clear (a new tensor)");
   m.def("causal_conv", &causal_conv, "depthwise causal conv + SiLU along time, one pass (prefill)");
   m.def("bf16_attention", &bf16_attention, "softmax(scale q k^T) v of bf16 q [B, T, H, D], k, v [B, L, KV, D] (AVX512-BF16)",

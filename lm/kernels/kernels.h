@@ -97,6 +97,8 @@ bool bf16_attention_built();
 int64_t argmax(at::Tensor x);
 // ... of each row of a float32 [B, V] tensor
 std::vector<int64_t> argmax_rows(at::Tensor x);
+// sampling's top-k: (values, indices) of the k largest of a float32 vector, best first (argmax.cpp)
+std::tuple<at::Tensor, at::Tensor> largest_k(at::Tensor x, int64_t k);
 // peaks.cpp: op/s of the products' fp32 or int8 instruction in registers on every thread (bench limits)
 double instruction_peak(const std::string& kind, int64_t steps);
 // a constrained token's packed bitmask (bit t % 32 of word t / 32) applied: the others' logits -inf

@@ -5,7 +5,7 @@ import torch
 
 from lm import Sampler, SamplingParams
 from lm import sampling
-from lm.sampling import DRAW_BLOCK, _candidates, _penalise, argmax, draw
+from lm.sampling import DRAW_BLOCK, _candidates, _penalise, argmax, draw, largest
 
 
 def test_greedy_picks_argmax_per_row():
@@ -41,6 +41,33 @@ def test_plain_greedy_batches_pick_each_rows_argmax(monkeypatch, cpu_kernels):
     penalised = Sampler([SamplingParams(), SamplingParams(repetition_penalty=2.0)], [[], [expected[1]]])
     assert not penalised.plain_greedy
     assert penalised(logits[:2], [0, 1], [[], []]) == [expected[0], 300]  # 7 halved
+
+
+@pytest.mark.parametrize("cpu_kernels", ["0", "1"])  # torch.topk, the kernel's largest_k
+def test_largest_equals_torch_topk(monkeypatch, cpu_kernels):
+    """`largest` gives torch.topk's values, and the indices of a stable descending sort (k from 0
+    to all, a vocabulary of 248,320, ascending values: every value passes the running threshold):
+    equal values by index (torch.topk orders them as it may), NaN first."""
+    monkeypatch.setenv("QWEN35_CPU_KERNELS", cpu_kernels)
+    g = torch.Generator().manual_seed(3)
+    for n, ks in [(248_320, [1, 20, 1024]), (1000, [0, 7, 999, 1000]), (13, [13]), (4099, [40])]:
+        scores = torch.randn(n, generator=g) * 3
+        order = torch.sort(scores, descending=True, stable=True).indices
+        for k in ks:
+            values, index = largest(scores, k)
+            assert torch.equal(values, torch.topk(scores, k).values), (n, k)
+            if cpu_kernels == "1":
+                assert torch.equal(index, order[:k]), (n, k)
+            assert torch.equal(scores[index], values)
+    ascending = torch.arange(5000, dtype=torch.float32)
+    assert torch.equal(largest(ascending, 30)[1], torch.topk(ascending, 30).indices)
+    if cpu_kernels == "1":
+        ties = torch.tensor([1.0, float("nan"), 3.0, 3.0, float("-inf"), float("nan"), 2.0, 3.0])
+        values, index = largest(ties, 6)
+        assert index.tolist() == [1, 5, 2, 3, 7, 6] and values[2:].tolist() == [3.0, 3.0, 3.0, 2.0]
+        banned = torch.full((100,), float("-inf"))
+        banned[50] = 0.0
+        assert largest(banned, 3)[1].tolist() == [50, 0, 1]
 
 
 def test_top_k_top_p_min_p_filters():
