@@ -9,8 +9,8 @@ import torch
 from lm.hugepages import advise_huge_pages
 
 
-def best_time(fn, repeats: int = 5, warmup: int = 1) -> float:
-    """Fastest wall time of `fn()` over `repeats` runs, in seconds."""
+def run_times(fn, repeats: int = 5, warmup: int = 1) -> list[float]:
+    """Wall times of `repeats` runs of `fn()` after `warmup` untimed ones, in seconds."""
     for _ in range(warmup):
         fn()
     times = []
@@ -18,7 +18,12 @@ def best_time(fn, repeats: int = 5, warmup: int = 1) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
+
+
+def best_time(fn, repeats: int = 5, warmup: int = 1) -> float:
+    """Fastest wall time of `fn()` over `repeats` runs, in seconds."""
+    return min(run_times(fn, repeats, warmup))
 
 
 class ReadBandwidth:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from bench.limits import run_times
 from lm import Sampler, SamplingParams
 from lm.sampling import draw, largest
 
@@ -25,13 +25,7 @@ STEP_MS = 200.0
 
 
 def median_ms(fn, rounds: int) -> float:
-    fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(run_times(fn, rounds)) * 1e3
 
 
 def main() -> None:
