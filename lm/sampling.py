@@ -177,8 +177,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     `generator` (the global one when None). Zero weights are never drawn. torch.multinomial draws one
     exponential number per entry: ~8 ms for a 248k vocabulary on 2 cores, as much as a decode step of
     a small model for each sampled row; this sums blocks of DRAW_BLOCK weights, finds the block, then
-    the entry in it: ~0.3 ms (python -m bench.sampling). Raises ValueError for NaN, infinite or negative weights, or no
-    positive one, as torch.multinomial does."""
+    the entry in it: ~0.3 ms (python -m bench.sampling). Raises ValueError for NaN, infinite or
+    negative weights, or no positive one, as torch.multinomial does."""
     p = probs.detach().reshape(-1).cpu()
     p = (p if p.dtype in (torch.float32, torch.float64) else p.float()).contiguous().numpy()
     whole = p.size // DRAW_BLOCK * DRAW_BLOCK
