@@ -56,5 +56,6 @@ def main() -> None:
         print(f"Sampler, {args.rows} rows, {name}: {step:.2f} ms a step ({step / STEP_MS:.1%} of a {STEP_MS:.0f} ms "
               f"decode step)")
 
+
 if __name__ == "__main__":
     main()

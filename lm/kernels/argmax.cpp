@@ -141,9 +141,8 @@ std::tuple<at::Tensor, at::Tensor> largest_k(at::Tensor x, int64_t k) {
   kept.resize(std::min<int64_t>(k, kept.size()));
   auto values = at::empty({int64_t(kept.size())}, x.options());
   auto indices = at::empty({int64_t(kept.size())}, x.options().dtype(at::kLong));
-  for (size_t j = 0; j < kept.size(); ++j) {
-    values.data_ptr<float>()[j] = p[kept[j]];
-    indices.data_ptr<int64_t>()[j] = kept[j];
-  }
+  float* v = values.data_ptr<float>();
+  int64_t* at = indices.data_ptr<int64_t>();
+  for (size_t j = 0; j < kept.size(); ++j) v[j] = p[at[j] = kept[j]];
   return {values, indices};
 }
